@@ -1,0 +1,28 @@
+"""`python -m memory_service --port 50051 --data-dir DIR [--metrics-port 9400]`"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import structlog
+
+from memory_service.config import ConfigError, load_config
+from memory_service.logs import configure_logging
+from memory_service.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ConfigError as exc:
+        print(f"memory_service: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    structlog.get_logger("memory_service").info("config", **config.as_log_fields())
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

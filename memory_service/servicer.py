@@ -1,0 +1,263 @@
+"""The inferscale.v1.MemoryService gRPC servicer: wire messages in, domain calls, wire messages out."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from memory_service.config import ServiceConfig
+from memory_service.embedder import Embedder
+from memory_service.errors import MemoryServiceError, NotFound, NotReady, status_code_for
+from memory_service.metrics import ServiceMetrics
+from memory_service.models import IngestOutcome, StoredFact
+from memory_service.profiles import validate_profile
+from memory_service.store import FactStore
+from memory_service.validation import (
+    decode_page_token,
+    encode_page_token,
+    resolve_page_size,
+    resolve_top_k,
+    validate_fact_ids,
+    validate_facts,
+    validate_id,
+    validate_text,
+    validate_turns,
+)
+
+log = structlog.get_logger(__name__)
+
+REQUEST_ID_KEY = "x-request-id"
+_OUTCOME_TO_PB = {
+    IngestOutcome.CREATED: pb.INGEST_OUTCOME_CREATED,
+    IngestOutcome.UPDATED: pb.INGEST_OUTCOME_UPDATED,
+    IngestOutcome.UNCHANGED: pb.INGEST_OUTCOME_UNCHANGED,
+}
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Handler = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+
+
+def _timestamp(micros: int) -> Timestamp:
+    timestamp = Timestamp()
+    timestamp.FromMicroseconds(micros)
+    return timestamp
+
+
+def _fact_message(fact: StoredFact) -> pb.Fact:
+    message = pb.Fact(
+        user_id=fact.user_id,
+        fact_id=fact.fact_id,
+        text=fact.text,
+        source_turn_id=fact.source_turn_id,
+        metadata=fact.metadata,
+        version=fact.version,
+        created_at=_timestamp(fact.created_at_us),
+        updated_at=_timestamp(fact.updated_at_us),
+    )
+    if fact.timestamp_us:
+        message.timestamp.CopyFrom(_timestamp(fact.timestamp_us))
+    return message
+
+
+def rpc(handler: Handler) -> Handler:
+    """Wraps a servicer method: request id and logging context, readiness, metrics, error mapping.
+
+    This is the only place where domain errors become gRPC status codes.
+    """
+    method = handler.__name__
+
+    @functools.wraps(handler)
+    async def wrapper(self: MemoryServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        metadata = dict(context.invocation_metadata() or ())
+        request_id = metadata.get(REQUEST_ID_KEY) or getattr(request, "request_id", "") or uuid.uuid4().hex
+        context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(
+            request_id=request_id, method=method, user_id=getattr(request, "user_id", None)
+        )
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        error: BaseException | None = None
+        try:
+            if not self.ready:
+                raise NotReady("the memory service is starting; retry shortly")
+            return await handler(self, request, context)
+        except MemoryServiceError as exc:
+            code, error = status_code_for(exc), exc
+        except Exception as exc:  # noqa: BLE001 - a bug must become INTERNAL, not a dropped stream
+            code, error = grpc.StatusCode.INTERNAL, exc
+            log.exception("rpc_failed")
+        finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.rpc_requests.labels(method=method, code=code.name).inc()
+            self.metrics.rpc_duration.labels(method=method).observe(elapsed)
+            log.info("rpc", code=code.name, duration_ms=round(elapsed * 1000, 3), error=str(error) if error else None)
+        message = str(error) if code != grpc.StatusCode.INTERNAL else f"internal error (request id {request_id})"
+        await context.abort(code, message)
+
+    return wrapper
+
+
+class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
+    """Serves the API once `load` has opened the store and loaded the embedder."""
+
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.limits = config.limits
+        self.embedder = Embedder(
+            config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads
+        )
+        self.store: FactStore | None = None
+        self.ready = False
+
+    async def load(self) -> None:
+        await self.embedder.load()
+        store = FactStore(self.config.data_dir, self.config.embedding_model, self.embedder.dim)
+        await store.open()
+        self.store = store
+        await self._refresh_stored_gauges()
+        self.ready = True
+
+    async def close(self) -> None:
+        self.ready = False
+        self.embedder.close()
+
+    @property
+    def _store(self) -> FactStore:
+        assert self.store is not None
+        return self.store
+
+    async def _refresh_stored_gauges(self) -> None:
+        facts, turns = await self._store.row_counts()
+        self.metrics.facts_stored.set(facts)
+        self.metrics.turns_stored.set(turns)
+
+    async def _embed(self, texts: list[str], purpose: str):
+        with self.metrics.embedding_duration.labels(purpose=purpose).time():
+            return await self.embedder.embed(texts)
+
+    async def _embed_for_ingest(self, texts: list[str]):
+        return await self._embed(texts, "ingest")
+
+    async def _search(self, user_id: str, query: str, top_k: int):
+        (query_vector,) = await self._embed([query], "query")
+        with self.metrics.retrieval_duration.time():
+            results = await self._store.search(user_id, query_vector, top_k)
+        self.metrics.facts_retrieved.inc(len(results))
+        return results
+
+    # ------------------------------------------------------------------ RPCs
+
+    @rpc
+    async def IngestTurns(self, request: pb.IngestTurnsRequest, context) -> pb.IngestTurnsResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        turns = validate_turns(request.turns, self.limits)
+        written = await self._store.ingest_turns(user_id, turns)
+        await self._refresh_stored_gauges()
+        return pb.IngestTurnsResponse(turns_written=written)
+
+    @rpc
+    async def IngestFacts(self, request: pb.IngestFactsRequest, context) -> pb.IngestFactsResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        facts = validate_facts(request.facts, self.limits)
+        self.metrics.ingest_batch_facts.observe(len(facts))
+        results = await self._store.ingest_facts(user_id, facts, self._embed_for_ingest)
+        for result in results:
+            self.metrics.facts_ingested.labels(outcome=result.outcome.value).inc()
+        await self._refresh_stored_gauges()
+        log.info("facts_ingested", facts=len(results))
+        return pb.IngestFactsResponse(
+            facts=[
+                pb.IngestedFact(fact_id=r.fact_id, version=r.version, outcome=_OUTCOME_TO_PB[r.outcome])
+                for r in results
+            ]
+        )
+
+    @rpc
+    async def SearchFacts(self, request: pb.SearchFactsRequest, context) -> pb.SearchFactsResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        query = validate_text(request.query, "query", self.limits.max_query_chars)
+        top_k = resolve_top_k(request.top_k, self.limits)
+        results = await self._search(user_id, query, top_k)
+        return pb.SearchFactsResponse(
+            facts=[
+                pb.ScoredFact(fact=_fact_message(r.fact), score=r.score, rank=rank)
+                for rank, r in enumerate(results, start=1)
+            ]
+        )
+
+    @rpc
+    async def RetrieveAndStage(self, request: pb.RetrieveAndStageRequest, context) -> pb.RetrieveAndStageResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        query = validate_text(request.query, "query", self.limits.max_query_chars)
+        top_k = resolve_top_k(request.top_k, self.limits)
+        validate_profile(request.profile)
+        validate_id(request.node_id, "node_id")
+        results = await self._search(user_id, query, top_k)
+        # No KV is stored yet for any profile: every fact is returned as text only, without staging.
+        return pb.RetrieveAndStageResponse(
+            facts=[
+                pb.RetrievedFact(
+                    fact_id=r.fact.fact_id, version=r.fact.version, text=r.fact.text, score=r.score, rank=rank
+                )
+                for rank, r in enumerate(results, start=1)
+            ]
+        )
+
+    @rpc
+    async def ListFacts(self, request: pb.ListFactsRequest, context) -> pb.ListFactsResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        page_size = resolve_page_size(request.page_size, self.limits)
+        after = decode_page_token(request.page_token)
+        facts, more = await self._store.list_facts(user_id, after, page_size)
+        return pb.ListFactsResponse(
+            facts=[_fact_message(fact) for fact in facts],
+            next_page_token=encode_page_token(facts[-1].fact_id) if more else "",
+        )
+
+    @rpc
+    async def DeleteFacts(self, request: pb.DeleteFactsRequest, context) -> pb.DeleteFactsResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        fact_ids = validate_fact_ids(request.fact_ids, self.limits)
+        counts = await self._store.counts(user_id)
+        if not counts.users:
+            raise NotFound(f"user_id: {user_id!r} has nothing stored")
+        deleted = await self._store.delete_facts(user_id, fact_ids)
+        await self._refresh_stored_gauges()
+        deleted_set = set(deleted)
+        return pb.DeleteFactsResponse(
+            facts_deleted=len(deleted),
+            not_found_fact_ids=[fact_id for fact_id in fact_ids if fact_id not in deleted_set],
+        )
+
+    @rpc
+    async def DeleteUser(self, request: pb.DeleteUserRequest, context) -> pb.DeleteUserResponse:
+        user_id = validate_id(request.user_id, "user_id")
+        facts, turns = await self._store.delete_user(user_id)
+        if not facts and not turns:
+            raise NotFound(f"user_id: {user_id!r} has nothing stored")
+        await self._refresh_stored_gauges()
+        return pb.DeleteUserResponse(facts_deleted=facts, turns_deleted=turns)
+
+    @rpc
+    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
+        user_id = validate_id(request.user_id, "user_id") if request.user_id else ""
+        counts = await self._store.counts(user_id)
+        return pb.GetStatsResponse(
+            users=counts.users,
+            facts=counts.facts,
+            turns=counts.turns,
+            embedding_model=self.embedder.model_name,
+            embedding_dim=self.embedder.dim,
+        )

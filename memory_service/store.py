@@ -1,0 +1,349 @@
+"""LanceDB-backed storage of users' facts (with embeddings) and conversation turns.
+
+Every method takes validated input (see validation.py): ids come from a quote-free alphabet, which
+is what makes the SQL filters below safe to build by formatting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import structlog
+from lancedb.index import BTree
+
+from memory_service.models import (
+    IngestOutcome,
+    IngestResult,
+    NewFact,
+    NewTurn,
+    ScoredFact,
+    StoreCounts,
+    StoredFact,
+)
+
+log = structlog.get_logger(__name__)
+
+FACTS_TABLE = "facts"
+TURNS_TABLE = "turns"
+_STORE_META_FILE = "store.json"
+_USER_LOCK_STRIPES = 64
+
+
+class StoreMismatch(RuntimeError):
+    """The data directory was written with another embedding model or dimension."""
+
+
+def _sql_list(values: Sequence[str]) -> str:
+    return ", ".join(f"'{value}'" for value in values)
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def row_key(user_id: str, item_id: str) -> str:
+    """The single-column primary key LanceDB needs (it has no compound keys); '|' is not an id character."""
+    return f"{user_id}|{item_id}"
+
+
+def facts_schema(dim: int) -> pa.Schema:
+    return pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("user_id", pa.string(), nullable=False),
+            pa.field("fact_id", pa.string(), nullable=False),
+            pa.field("text", pa.string(), nullable=False),
+            pa.field("source_turn_id", pa.string(), nullable=False),
+            pa.field("timestamp_us", pa.int64(), nullable=False),
+            pa.field("metadata_json", pa.string(), nullable=False),
+            pa.field("content_hash", pa.string(), nullable=False),
+            pa.field("version", pa.int64(), nullable=False),
+            pa.field("created_at_us", pa.int64(), nullable=False),
+            pa.field("updated_at_us", pa.int64(), nullable=False),
+            pa.field("vector", pa.list_(pa.float32(), dim), nullable=False),
+        ]
+    )
+
+
+TURNS_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("user_id", pa.string(), nullable=False),
+        pa.field("turn_id", pa.string(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("speaker", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("timestamp_us", pa.int64(), nullable=False),
+    ]
+)
+
+_FACT_COLUMNS = [name for name in facts_schema(1).names if name not in ("key", "vector")]
+
+
+def _stored_fact(row: dict) -> StoredFact:
+    return StoredFact(
+        user_id=row["user_id"],
+        fact_id=row["fact_id"],
+        text=row["text"],
+        source_turn_id=row["source_turn_id"],
+        timestamp_us=row["timestamp_us"],
+        metadata=json.loads(row["metadata_json"]),
+        version=row["version"],
+        created_at_us=row["created_at_us"],
+        updated_at_us=row["updated_at_us"],
+    )
+
+
+class FactStore:
+    """Facts and turns of all users in two LanceDB tables keyed by (user_id, fact_id|turn_id).
+
+    Writes are serialized per user (so version bumps are consistent) and committed one at a time;
+    reads run concurrently. Acknowledged writes are committed to disk.
+    """
+
+    def __init__(self, data_dir: Path, embedding_model: str, embedding_dim: int) -> None:
+        self._data_dir = data_dir
+        self._embedding_model = embedding_model
+        self._dim = embedding_dim
+        self._facts: lancedb.table.AsyncTable | None = None
+        self._turns: lancedb.table.AsyncTable | None = None
+        self._user_locks = [asyncio.Lock() for _ in range(_USER_LOCK_STRIPES)]
+        self._commit_lock = asyncio.Lock()
+        self._writes_since_optimize = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        self._data_dir.mkdir(parents=True, exist_ok=True)
+        self._check_store_meta()
+        db = await lancedb.connect_async(self._data_dir / "lancedb")
+        existing = set(await db.table_names())
+        self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
+        self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
+        for table in (self._facts, self._turns):
+            await self._ensure_user_index(table)
+
+    def _check_store_meta(self) -> None:
+        meta_path = self._data_dir / _STORE_META_FILE
+        wanted = {"embedding_model": self._embedding_model, "embedding_dim": self._dim}
+        if meta_path.exists():
+            found = json.loads(meta_path.read_text())
+            if found != wanted:
+                raise StoreMismatch(
+                    f"{self._data_dir} holds embeddings of {found}, not {wanted}: use another --data-dir "
+                    "or the same --embedding-model"
+                )
+        else:
+            meta_path.write_text(json.dumps(wanted))
+
+    @staticmethod
+    async def _open_or_create(
+        db: lancedb.AsyncConnection, name: str, schema: pa.Schema, existing: set[str]
+    ) -> lancedb.table.AsyncTable:
+        if name in existing:
+            return await db.open_table(name)
+        table = await db.create_table(name, schema=schema)
+        # Concurrent upserts of the same new key then retry on conflict instead of duplicating.
+        await table.set_unenforced_primary_key("key")
+        return table
+
+    @staticmethod
+    async def _ensure_user_index(table: lancedb.table.AsyncTable) -> None:
+        """A BTREE on user_id makes per-user prefiltering O(user's rows); built once the table has rows."""
+        indexed = {column for index in await table.list_indices() for column in index.columns}
+        if "user_id" not in indexed and await table.count_rows() > 0:
+            await table.create_index("user_id", config=BTree())
+
+    async def optimize(self) -> None:
+        """Compacts small write fragments and folds new rows into the indices."""
+        for table in (self._facts_table, self._turns_table):
+            await self._ensure_user_index(table)
+            await table.optimize()
+        self._writes_since_optimize = 0
+
+    @property
+    def writes_since_optimize(self) -> int:
+        return self._writes_since_optimize
+
+    @property
+    def _facts_table(self) -> lancedb.table.AsyncTable:
+        assert self._facts is not None, "FactStore.open() was not awaited"
+        return self._facts
+
+    @property
+    def _turns_table(self) -> lancedb.table.AsyncTable:
+        assert self._turns is not None, "FactStore.open() was not awaited"
+        return self._turns
+
+    @asynccontextmanager
+    async def _user_writes(self, user_id: str) -> AsyncIterator[None]:
+        async with self._user_locks[zlib.crc32(user_id.encode()) % _USER_LOCK_STRIPES]:
+            yield
+
+    async def _commit(self, table: lancedb.table.AsyncTable, rows: pa.Table) -> None:
+        async with self._commit_lock:
+            await table.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
+            self._writes_since_optimize += 1
+
+    # ------------------------------------------------------------------ facts
+
+    async def existing_fact_versions(self, user_id: str, fact_ids: Sequence[str]) -> dict[str, tuple[str, int, int]]:
+        """fact_id -> (content_hash, version, created_at_us) for the ids the user has."""
+        rows = await (
+            self._facts_table.query()
+            .where(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(fact_ids)})")
+            .select(["fact_id", "content_hash", "version", "created_at_us"])
+            .to_list()
+        )
+        return {row["fact_id"]: (row["content_hash"], row["version"], row["created_at_us"]) for row in rows}
+
+    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed) -> list[IngestResult]:
+        """Creates new facts, bumps the version of changed ones, leaves identical ones alone.
+
+        `embed` is an async callable mapping texts to unit vectors; only new or changed facts are embedded.
+        """
+        async with self._user_writes(user_id):
+            existing = await self.existing_fact_versions(user_id, [fact.fact_id for fact in facts])
+            results: list[IngestResult] = []
+            to_write: list[tuple[NewFact, int, int]] = []
+            now = _now_us()
+            for fact in facts:
+                previous = existing.get(fact.fact_id)
+                if previous is None:
+                    results.append(IngestResult(fact.fact_id, 1, IngestOutcome.CREATED))
+                    to_write.append((fact, 1, now))
+                elif previous[0] == fact.content_hash:
+                    results.append(IngestResult(fact.fact_id, previous[1], IngestOutcome.UNCHANGED))
+                else:
+                    results.append(IngestResult(fact.fact_id, previous[1] + 1, IngestOutcome.UPDATED))
+                    to_write.append((fact, previous[1] + 1, previous[2]))
+            if to_write:
+                vectors: np.ndarray = await embed([fact.text for fact, _, _ in to_write])
+                rows = pa.Table.from_pylist(
+                    [
+                        {
+                            "key": row_key(user_id, fact.fact_id),
+                            "user_id": user_id,
+                            "fact_id": fact.fact_id,
+                            "text": fact.text,
+                            "source_turn_id": fact.source_turn_id,
+                            "timestamp_us": fact.timestamp_us,
+                            "metadata_json": json.dumps(fact.metadata, ensure_ascii=False, sort_keys=True),
+                            "content_hash": fact.content_hash,
+                            "version": version,
+                            "created_at_us": created_at_us,
+                            "updated_at_us": now,
+                            "vector": vector,
+                        }
+                        for (fact, version, created_at_us), vector in zip(to_write, vectors)
+                    ],
+                    schema=facts_schema(self._dim),
+                )
+                await self._commit(self._facts_table, rows)
+            return results
+
+    async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
+        """Exact cosine top-k over the user's facts (prefiltered by user), best first."""
+        rows = await (
+            self._facts_table.vector_search(query_vector.astype(np.float32))
+            .distance_type("cosine")
+            .where(f"user_id = '{user_id}'")
+            .select([*_FACT_COLUMNS, "_distance"])
+            .limit(top_k)
+            .to_list()
+        )
+        return [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
+
+    async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
+        """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
+        condition = f"user_id = '{user_id}'" + (f" AND fact_id > '{after_fact_id}'" if after_fact_id else "")
+        ids = await self._facts_table.query().where(condition).select(["fact_id"]).to_arrow()
+        ordered = sorted(ids.column("fact_id").to_pylist())
+        page_ids = ordered[:page_size]
+        if not page_ids:
+            return [], False
+        rows = await (
+            self._facts_table.query()
+            .where(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(page_ids)})")
+            .select(_FACT_COLUMNS)
+            .to_list()
+        )
+        facts = sorted((_stored_fact(row) for row in rows), key=lambda fact: fact.fact_id)
+        return facts, len(ordered) > page_size
+
+    async def delete_facts(self, user_id: str, fact_ids: Sequence[str]) -> list[str]:
+        """Deletes the given facts; returns the ids that existed."""
+        async with self._user_writes(user_id):
+            found = list(await self.existing_fact_versions(user_id, fact_ids))
+            if found:
+                async with self._commit_lock:
+                    await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
+                    self._writes_since_optimize += 1
+            return found
+
+    async def delete_user(self, user_id: str) -> tuple[int, int]:
+        """Deletes all of a user's facts and turns; returns (facts, turns) deleted."""
+        condition = f"user_id = '{user_id}'"
+        async with self._user_writes(user_id):
+            facts = await self._facts_table.count_rows(condition)
+            turns = await self._turns_table.count_rows(condition)
+            async with self._commit_lock:
+                if facts:
+                    await self._facts_table.delete(condition)
+                if turns:
+                    await self._turns_table.delete(condition)
+                self._writes_since_optimize += 1
+            return facts, turns
+
+    # ------------------------------------------------------------------ turns
+
+    async def ingest_turns(self, user_id: str, turns: Sequence[NewTurn]) -> int:
+        rows = pa.Table.from_pylist(
+            [
+                {
+                    "key": row_key(user_id, turn.turn_id),
+                    "user_id": user_id,
+                    "turn_id": turn.turn_id,
+                    "seq": turn.seq,
+                    "session_id": turn.session_id,
+                    "speaker": turn.speaker,
+                    "text": turn.text,
+                    "timestamp_us": turn.timestamp_us,
+                }
+                for turn in turns
+            ],
+            schema=TURNS_SCHEMA,
+        )
+        async with self._user_writes(user_id):
+            await self._commit(self._turns_table, rows)
+        return len(turns)
+
+    # ------------------------------------------------------------------ stats
+
+    async def row_counts(self) -> tuple[int, int]:
+        """(facts, turns) stored for all users; cheap (table metadata only)."""
+        return await self._facts_table.count_rows(), await self._turns_table.count_rows()
+
+    async def counts(self, user_id: str = "") -> StoreCounts:
+        condition = f"user_id = '{user_id}'" if user_id else None
+        facts = await self._facts_table.count_rows(condition)
+        turns = await self._turns_table.count_rows(condition)
+        if user_id:
+            return StoreCounts(users=int(bool(facts or turns)), facts=facts, turns=turns)
+        users: set[str] = set()
+        for table in (self._facts_table, self._turns_table):
+            column = (await table.query().select(["user_id"]).to_arrow()).column("user_id")
+            users.update(pc.unique(column).to_pylist())
+        return StoreCounts(users=len(users), facts=facts, turns=turns)
