@@ -129,7 +129,7 @@ class FactStore:
         self._data_dir.mkdir(parents=True, exist_ok=True)
         self._check_store_meta()
         db = await lancedb.connect_async(self._data_dir / "lancedb")
-        existing = set(await db.table_names())
+        existing = set((await db.list_tables()).tables)
         self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
         for table in (self._facts, self._turns):

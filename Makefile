@@ -1,0 +1,30 @@
+# InferScale: `make demo` runs the main job, `make test` runs the test suite. Both install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install test demo bench-memory clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Editable install with the CPU stack and test tools; setup.py generates the gRPC code from proto/.
+$(INSTALLED): $(PY) pyproject.toml setup.py $(wildcard proto/inferscale/v1/*.proto)
+	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	touch $(INSTALLED)
+
+install: $(INSTALLED)
+
+test: install
+	$(PY) -m pytest
+
+demo: install
+	$(PY) -m demo
+
+bench-memory: install
+	$(PY) -m benchmarks.memory_service
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,79 @@
+"""Starts `python -m memory_service` as a child process (for the demo, benchmarks and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MemoryServiceProcess:
+    """A memory service on free loopback ports; `start` returns once health says SERVING."""
+
+    def __init__(self, data_dir: Path, log_path: Path, *extra_args: str) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.extra_args = extra_args
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> MemoryServiceProcess:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        command = [
+            sys.executable, "-m", "memory_service",
+            "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+            "--data-dir", str(self.data_dir), *self.extra_args,
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log_file:
+            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        self._wait_serving()
+        return self
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"memory service exited early:\n{self.log_path.read_text()[-4000:]}")
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        raise TimeoutError(f"memory service not SERVING after {STARTUP_TIMEOUT_S}s; log: {self.log_path}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Sends `sig` and waits for the exit; returns the exit code."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=60)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)

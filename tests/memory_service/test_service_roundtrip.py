@@ -1,0 +1,157 @@
+"""Round trips through a real memory service process (real LanceDB, real embedding model)."""
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from inferscale.v1 import memory_pb2 as pb
+from memory_service.profiles import kv_profile_id
+
+PET_FACTS = [
+    pb.FactInput(fact_id="pet", text="Caroline adopted a golden retriever named Max last spring."),
+    pb.FactInput(fact_id="job", text="Caroline works as a counselor at a youth center."),
+    pb.FactInput(fact_id="food", text="Caroline's favourite dish is her grandmother's lasagna."),
+]
+
+
+def _all_fact_ids(stub, user_id: str) -> list[str]:
+    return [fact.fact_id for fact in stub.ListFacts(pb.ListFactsRequest(user_id=user_id, page_size=1000)).facts]
+
+
+def test_ingested_facts_are_searchable_with_the_relevant_fact_first(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-search", facts=PET_FACTS))
+    response = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-search", query="What kind of dog does she have?"))
+    assert [scored.rank for scored in response.facts] == [1, 2, 3]
+    assert response.facts[0].fact.fact_id == "pet"
+    assert response.facts[0].score > response.facts[1].score
+
+
+def test_search_returns_at_most_top_k_facts(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-topk", facts=PET_FACTS))
+    response = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-topk", query="dog", top_k=2))
+    assert len(response.facts) == 2
+
+
+def test_search_for_a_user_without_facts_is_empty(stub) -> None:
+    assert not stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-nobody", query="anything")).facts
+
+
+def test_list_facts_pages_through_every_fact_once_in_id_order(stub) -> None:
+    facts = [pb.FactInput(fact_id=f"fact-{i:03d}", text=f"Numbered fact {i}") for i in range(25)]
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-pages", facts=facts))
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = stub.ListFacts(pb.ListFactsRequest(user_id="rt-pages", page_size=7, page_token=token))
+        assert len(page.facts) <= 7
+        seen.extend(fact.fact_id for fact in page.facts)
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == sorted(f"fact-{i:03d}" for i in range(25))
+
+
+def test_retried_ingest_creates_no_duplicates(stub) -> None:
+    request = pb.IngestFactsRequest(
+        user_id="rt-retry", facts=[pb.FactInput(text="Melanie paints sunsets."), pb.FactInput(text="Melanie runs.")]
+    )
+    first = stub.IngestFacts(request)
+    second = stub.IngestFacts(request)
+    assert [f.outcome for f in first.facts] == [pb.INGEST_OUTCOME_CREATED] * 2
+    assert [f.outcome for f in second.facts] == [pb.INGEST_OUTCOME_UNCHANGED] * 2
+    assert [f.fact_id for f in first.facts] == [f.fact_id for f in second.facts]
+    assert stub.GetStats(pb.GetStatsRequest(user_id="rt-retry")).facts == 2
+
+
+def test_changed_content_bumps_the_version_and_keeps_created_at(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-version", facts=[pb.FactInput(fact_id="city", text="Lives in Oslo")]))
+    (before,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-version")).facts
+    response = stub.IngestFacts(
+        pb.IngestFactsRequest(user_id="rt-version", facts=[pb.FactInput(fact_id="city", text="Lives in Bergen")])
+    )
+    assert response.facts[0].outcome == pb.INGEST_OUTCOME_UPDATED
+    assert response.facts[0].version == 2
+    (after,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-version")).facts
+    assert after.text == "Lives in Bergen" and after.version == 2
+    assert after.created_at == before.created_at
+    assert after.updated_at.ToMicroseconds() > before.updated_at.ToMicroseconds()
+
+
+def test_fact_fields_round_trip(stub) -> None:
+    fact = pb.FactInput(fact_id="trip", text="Went to Lisbon", source_turn_id="D2:4", metadata={"speaker": "Jon"})
+    fact.timestamp.FromJsonString("2023-05-08T13:56:00Z")
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-fields", facts=[fact]))
+    (stored,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-fields")).facts
+    assert (stored.user_id, stored.fact_id, stored.text, stored.source_turn_id) == (
+        "rt-fields", "trip", "Went to Lisbon", "D2:4"
+    )
+    assert dict(stored.metadata) == {"speaker": "Jon"}
+    assert stored.timestamp.ToJsonString() == "2023-05-08T13:56:00Z"
+
+
+def test_delete_facts_removes_only_the_named_facts_and_reports_unknown_ids(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-delete", facts=PET_FACTS))
+    response = stub.DeleteFacts(pb.DeleteFactsRequest(user_id="rt-delete", fact_ids=["pet", "no-such-fact"]))
+    assert response.facts_deleted == 1
+    assert list(response.not_found_fact_ids) == ["no-such-fact"]
+    assert _all_fact_ids(stub, "rt-delete") == ["food", "job"]
+
+
+def test_delete_user_removes_facts_and_turns(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-gone", facts=PET_FACTS))
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-gone", turns=[pb.Turn(turn_id="D1:1", seq=1, text="Hi!")]))
+    response = stub.DeleteUser(pb.DeleteUserRequest(user_id="rt-gone"))
+    assert (response.facts_deleted, response.turns_deleted) == (3, 1)
+    stats = stub.GetStats(pb.GetStatsRequest(user_id="rt-gone"))
+    assert (stats.users, stats.facts, stats.turns) == (0, 0, 0)
+
+
+def test_turn_reingest_overwrites_instead_of_duplicating(stub) -> None:
+    turns = [pb.Turn(turn_id=f"D1:{i}", seq=i, session_id="S1", speaker="Jon", text=f"turn {i}") for i in range(5)]
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-turns", turns=turns))
+    response = stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-turns", turns=turns))
+    assert response.turns_written == 5
+    assert stub.GetStats(pb.GetStatsRequest(user_id="rt-turns")).turns == 5
+
+
+def test_concurrent_ingests_of_the_same_facts_create_no_duplicates(stub) -> None:
+    facts = [pb.FactInput(text=f"Concurrent fact number {i}") for i in range(20)]
+    request = pb.IngestFactsRequest(user_id="rt-concurrent", facts=facts)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        responses = list(pool.map(lambda _: stub.IngestFacts(request), range(8)))
+    created = sum(f.outcome == pb.INGEST_OUTCOME_CREATED for r in responses for f in r.facts)
+    assert created == 20
+    assert stub.GetStats(pb.GetStatsRequest(user_id="rt-concurrent")).facts == 20
+    assert len(_all_fact_ids(stub, "rt-concurrent")) == 20
+
+
+def test_retrieve_and_stage_returns_ranked_facts_marked_not_ready(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-stage", facts=PET_FACTS))
+    profile = pb.KvProfile(
+        model="smollm2-135m", model_hash="m", kv_dtype="float32", tokenizer_hash="t", header_hash="h",
+        recipe="chunked-rope-cwe", recipe_version=1, context_window=0,
+    )
+    profile.profile_id = kv_profile_id(profile)
+    response = stub.RetrieveAndStage(
+        pb.RetrieveAndStageRequest(user_id="rt-stage", query="dog", top_k=2, profile=profile, node_id="node-0")
+    )
+    assert [fact.fact_id for fact in response.facts][0] == "pet"
+    assert all(not fact.kv_ready and not fact.token_ids for fact in response.facts)
+    assert not response.HasField("staging")
+
+
+def test_request_id_is_echoed_in_trailing_metadata(stub) -> None:
+    _, call = stub.GetStats.with_call(pb.GetStatsRequest(), metadata=(("x-request-id", "req-123"),))
+    assert ("x-request-id", "req-123") in call.trailing_metadata()
+
+
+def test_metrics_endpoint_counts_calls_by_method_and_code(stub, memory_service) -> None:
+    try:
+        stub.SearchFacts(pb.SearchFactsRequest(user_id="", query="x"))
+    except grpc.RpcError:
+        pass
+    body = urllib.request.urlopen(f"http://127.0.0.1:{memory_service.metrics_port}/metrics").read().decode()
+    assert 'inferscale_rpc_requests_total{code="INVALID_ARGUMENT",method="SearchFacts"}' in body
+    assert "inferscale_facts_stored" in body
+    assert "inferscale_rpc_duration_seconds_bucket" in body
