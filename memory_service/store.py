@@ -122,6 +122,7 @@ class FactStore:
         self._user_locks = [asyncio.Lock() for _ in range(_USER_LOCK_STRIPES)]
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
+        self._user_indexed_tables: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,12 +160,19 @@ class FactStore:
         await table.set_unenforced_primary_key("key")
         return table
 
-    @staticmethod
-    async def _ensure_user_index(table: lancedb.table.AsyncTable) -> None:
-        """A BTREE on user_id makes per-user prefiltering O(user's rows); built once the table has rows."""
+    async def _ensure_user_index(self, table: lancedb.table.AsyncTable) -> None:
+        """A BTREE on user_id makes per-user prefiltering O(user's rows); built once the table has rows.
+
+        Rows written after the index was built are scanned (still exact) until `optimize` folds them in.
+        """
+        if table.name in self._user_indexed_tables:
+            return
         indexed = {column for index in await table.list_indices() for column in index.columns}
         if "user_id" not in indexed and await table.count_rows() > 0:
             await table.create_index("user_id", config=BTree())
+            indexed.add("user_id")
+        if "user_id" in indexed:
+            self._user_indexed_tables.add(table.name)
 
     async def optimize(self) -> None:
         """Compacts small write fragments and folds new rows into the indices."""
@@ -196,6 +204,7 @@ class FactStore:
         async with self._commit_lock:
             await table.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
             self._writes_since_optimize += 1
+            await self._ensure_user_index(table)
 
     # ------------------------------------------------------------------ facts
 
