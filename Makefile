@@ -13,6 +13,7 @@ $(PY):
 # Editable install with the CPU stack and test tools; setup.py generates the gRPC code from proto/.
 $(INSTALLED): $(PY) pyproject.toml setup.py $(wildcard proto/inferscale/v1/*.proto)
 	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(INSTALLED)
 
 install: $(INSTALLED)

@@ -1,44 +1,9 @@
-"""KV profiles: everything that changes the bytes of a fact's KV, and the id derived from it."""
+"""Validation of the KV profiles callers announce."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Protocol
-
+from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike, kv_profile_id
 from memory_service.errors import InvalidArgument
-
-KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
-ALL_PRECEDING_TURNS = -1
-
-
-class KvProfileLike(Protocol):
-    profile_id: str
-    model: str
-    model_hash: str
-    kv_dtype: str
-    tokenizer_hash: str
-    header_hash: str
-    recipe: str
-    recipe_version: int
-    context_window: int
-
-
-def kv_profile_id(profile: KvProfileLike) -> str:
-    """A content id of the profile's fields: equal ids mean interchangeable KV bytes."""
-    canonical = json.dumps(
-        [
-            profile.model,
-            profile.model_hash,
-            profile.kv_dtype,
-            profile.tokenizer_hash,
-            profile.header_hash,
-            profile.recipe,
-            profile.recipe_version,
-            profile.context_window,
-        ]
-    )
-    return "kvp-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 def validate_profile(profile: KvProfileLike, field: str = "profile") -> str:

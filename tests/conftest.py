@@ -8,6 +8,7 @@ import pytest
 
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.launcher import MemoryServiceProcess
+from tests.tiny_llama import build_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -23,3 +24,17 @@ def memory_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryS
 def stub(memory_service: MemoryServiceProcess) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
     with memory_service.channel() as channel:
         yield memory_pb2_grpc.MemoryServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random fp32 Llama with its own BPE tokenizer (built once per test session)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_scaled_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The same tiny Llama with llama3-type rope scaling."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama3"), rope_scaling=scaling)

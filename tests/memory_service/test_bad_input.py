@@ -6,7 +6,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inferscale.v1 import memory_pb2 as pb
 from memory_service.config import Limits
-from memory_service.profiles import kv_profile_id
+from inferscale_kv.profile import kv_profile_id
 
 OWNER = "bi-owner"
 LIMITS = Limits()

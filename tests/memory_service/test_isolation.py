@@ -3,7 +3,7 @@
 from concurrent.futures import ThreadPoolExecutor
 
 from inferscale.v1 import memory_pb2 as pb
-from memory_service.profiles import kv_profile_id
+from inferscale_kv.profile import kv_profile_id
 
 USERS = [f"iso-user-{i:02d}" for i in range(25)]
 TOPICS = ["hiking trip", "favourite food", "pet", "job", "hometown", "hobby"]

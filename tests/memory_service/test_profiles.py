@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 
 from memory_service.errors import InvalidArgument
-from memory_service.profiles import kv_profile_id, validate_profile
+from inferscale_kv.profile import kv_profile_id
+from memory_service.profiles import validate_profile
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from inferscale.v1 import memory_pb2 as pb
-from memory_service.profiles import kv_profile_id
+from inferscale_kv.profile import kv_profile_id
 
 PET_FACTS = [
     pb.FactInput(fact_id="pet", text="Caroline adopted a golden retriever named Max last spring."),

@@ -1,0 +1,56 @@
+"""KV profiles: everything that changes the bytes of a fact's KV, and the id derived from it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Protocol
+
+KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
+ALL_PRECEDING_TURNS = -1
+RECIPE = "chunked-rope-cwe"
+# Bump when the encoding changes in any way that changes bytes (window rule, turn rendering, capture point).
+RECIPE_VERSION = 1
+
+
+class KvProfileLike(Protocol):
+    profile_id: str
+    model: str
+    model_hash: str
+    kv_dtype: str
+    tokenizer_hash: str
+    header_hash: str
+    recipe: str
+    recipe_version: int
+    context_window: int
+
+
+def kv_profile_id(profile: KvProfileLike) -> str:
+    """A content id of the profile's fields: equal ids mean interchangeable KV bytes."""
+    canonical = json.dumps(
+        [
+            profile.model,
+            profile.model_hash,
+            profile.kv_dtype,
+            profile.tokenizer_hash,
+            profile.header_hash,
+            profile.recipe,
+            profile.recipe_version,
+            profile.context_window,
+        ]
+    )
+    return "kvp-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def window_start(source_index: int, context_window: int) -> int:
+    """Index of the first conversation turn a fact from turn `source_index` is encoded behind.
+
+    Windows are anchored at multiples of w so that the facts of one anchor share a single forward pass
+    (the context of each is a prefix of the anchor's conversation slice): a fact sees between w and 2w-1
+    preceding turns (fewer at the start of the conversation). w = -1 means all preceding turns, w = 0 none.
+    """
+    if context_window == ALL_PRECEDING_TURNS:
+        return 0
+    if context_window == 0:
+        return source_index
+    return max(0, (source_index - context_window) // context_window * context_window)

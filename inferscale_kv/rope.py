@@ -1,0 +1,55 @@
+"""Chunked RoPE composition: rotate stored pre-RoPE keys to their final positions with the model's own tables.
+
+The tables come from the model's own rotary embedding module (transformers), so rope scaling (llama3, yarn,
+linear, dynamic at its base length) is whatever the model uses. Rotation is the "rotate half" (NeoX) form
+that Llama-family models and vLLM's Llama implementation use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryTables:
+    """cos/sin of a model's rotary embedding for positions [0, max_positions)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos = cos  # [max_positions, head_dim]
+        self.sin = sin
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, max_positions: int, device: torch.device | str = "cpu") -> RotaryTables:
+        """Evaluates the model's own rotary module (`model.model.rotary_emb`) at every position."""
+        rotary = model.model.rotary_emb
+        positions = torch.arange(max_positions, device=device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            cos, sin = rotary(probe, positions)
+        return cls(cos[0].float(), sin[0].float())
+
+    @classmethod
+    def from_config(cls, config, max_positions: int, device: torch.device | str = "cpu") -> RotaryTables:
+        """Builds the model's rotary module from its HF config alone (no weights needed)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(config=config).to(device)
+        holder = torch.nn.Module()
+        holder.model = torch.nn.Module()
+        holder.model.rotary_emb = rotary
+        return cls.from_model(holder, max_positions, device)
+
+    def to(self, device: torch.device | str) -> RotaryTables:
+        return RotaryTables(self.cos.to(device), self.sin.to(device))
+
+
+def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
+    half = tensor.shape[-1] // 2
+    return torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
+
+
+def apply_rope(keys: torch.Tensor, positions: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotates pre-RoPE keys [..., tokens, kv_heads, head_dim] to `positions` [tokens]; computes in fp32."""
+    cos = tables.cos[positions][:, None, :]
+    sin = tables.sin[positions][:, None, :]
+    rotated = keys.float() * cos + rotate_half(keys.float()) * sin
+    return rotated.to(keys.dtype)

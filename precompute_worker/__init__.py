@@ -1,0 +1,1 @@
+"""Precompute workers: compute each fact's KV (Chunked RoPE + Context-Window Encoding) for a model profile."""

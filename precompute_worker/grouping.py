@@ -1,0 +1,89 @@
+"""Turns leased facts into encoding groups: naive (one forward per fact) or shared (one per window anchor)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inferscale_kv.layout import fact_token_ids, turn_token_ids
+from inferscale_kv.profile import window_start
+from precompute_worker.encoder import EncodingGroup, FactKey, FactSpec
+
+
+@dataclass(frozen=True)
+class ConversationTurn:
+    turn_id: str
+    speaker: str
+    text: str
+
+
+@dataclass(frozen=True)
+class FactJob:
+    key: FactKey
+    text: str
+    source_turn_id: str
+
+
+class GroupBuilder:
+    """Builds encoding groups for one profile (tokenizer, header, context window)."""
+
+    def __init__(self, tokenizer, header_ids: Sequence[int], context_window: int, max_group_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.header_ids = list(header_ids)
+        self.context_window = context_window
+        self.max_group_tokens = max_group_tokens
+
+    def _turn_ids(self, turns: Sequence[ConversationTurn]) -> list[list[int]]:
+        return [turn_token_ids(self.tokenizer, turn.speaker, turn.text) for turn in turns]
+
+    def _windows(
+        self, jobs: Sequence[FactJob], turns_by_user: dict[str, Sequence[ConversationTurn]]
+    ) -> list[tuple[FactJob, list[int], int, int]]:
+        """Per job: (job, fact token ids, window start, source index) with the turns indexed per user."""
+        index_by_user = {
+            user: {turn.turn_id: index for index, turn in enumerate(turns)} for user, turns in turns_by_user.items()
+        }
+        windows = []
+        for job in jobs:
+            source = index_by_user.get(job.key.user_id, {}).get(job.source_turn_id) if job.source_turn_id else None
+            if source is None or self.context_window == 0:
+                start = source = 0  # no known source turn (or w=0): header only
+            else:
+                start = window_start(source, self.context_window)
+            windows.append((job, fact_token_ids(self.tokenizer, job.text), start, source))
+        return windows
+
+    def naive(self, jobs: Sequence[FactJob], turns_by_user: dict[str, Sequence[ConversationTurn]]) -> list[EncodingGroup]:
+        """One group per fact: header + its window + the fact, as a plain forward would see it."""
+        turn_ids = {user: self._turn_ids(turns) for user, turns in turns_by_user.items()}
+        groups = []
+        for job, token_ids, start, source in self._windows(jobs, turns_by_user):
+            context = self.header_ids + [t for turn in turn_ids.get(job.key.user_id, [])[start:source] for t in turn]
+            groups.append(EncodingGroup(context, [FactSpec(job.key, token_ids, len(context))]))
+        return groups
+
+    def shared(self, jobs: Sequence[FactJob], turns_by_user: dict[str, Sequence[ConversationTurn]]) -> list[EncodingGroup]:
+        """One group per (user, window start): the anchor's turns once, every fact on its own prefix of them."""
+        turn_ids = {user: self._turn_ids(turns) for user, turns in turns_by_user.items()}
+        by_anchor: dict[tuple[str, int], list[tuple[FactJob, list[int], int]]] = defaultdict(list)
+        for job, token_ids, start, source in self._windows(jobs, turns_by_user):
+            anchor_user = job.key.user_id if source > start else ""  # header-only facts share across users
+            by_anchor[(anchor_user, start if anchor_user else 0)].append((job, token_ids, source))
+        groups: list[EncodingGroup] = []
+        for (user, start), members in by_anchor.items():
+            members.sort(key=lambda member: member[2])
+            prefix_lengths = [len(self.header_ids)]  # prefix_lengths[j]: header + turns[start : start + j]
+            context = list(self.header_ids)
+            for turn in turn_ids.get(user, [])[start : members[-1][2]] if user else []:
+                context.extend(turn)
+                prefix_lengths.append(len(context))
+            group = EncodingGroup(context)
+            for job, token_ids, source in members:
+                if group.facts and group.num_tokens + len(token_ids) > self.max_group_tokens:
+                    groups.append(group)
+                    group = EncodingGroup(context)
+                visible = prefix_lengths[source - start] if user else len(self.header_ids)
+                group.facts.append(FactSpec(job.key, token_ids, visible))
+            groups.append(group)
+        return groups

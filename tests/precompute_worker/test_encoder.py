@@ -1,0 +1,107 @@
+"""Exactness of stored fact KV (float32, tiny random Llama): Chunked RoPE + Context-Window Encoding."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from inferscale_kv.layout import fact_token_ids, memory_header_ids, turn_token_ids
+from inferscale_kv.rope import RotaryTables, apply_rope
+from precompute_worker.encoder import EncodingGroup, FactEncoder, FactKey, FactSpec
+from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
+
+TOLERANCE = 1e-4
+TURNS = [ConversationTurn(f"D1:{i}", "Ana" if i % 2 else "Ben", f"turn number {i} about the garden and the sea")
+         for i in range(9)]
+
+
+def _load(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def _plain_forward_kv(model, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-RoPE keys and values [layers, tokens, kv_heads, head_dim] of a plain causal forward."""
+    with torch.no_grad():
+        cache = model(torch.tensor([token_ids]), use_cache=True).past_key_values
+    keys = torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers])
+    values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
+    return keys, values
+
+
+def _assert_matches_plain_forward(model, tokenizer, context_ids: list[int], fact_text: str) -> None:
+    fact_ids = fact_token_ids(tokenizer, fact_text)
+    (encoded,) = FactEncoder(model).encode([EncodingGroup(context_ids, [FactSpec(FactKey("u", "f", 1), fact_ids,
+                                                                                   len(context_ids))])])
+    tables = RotaryTables.from_model(model, 512)
+    positions = torch.arange(len(context_ids), len(context_ids) + len(fact_ids))
+    rotated = apply_rope(encoded.keys, positions, tables)
+    plain_keys, plain_values = _plain_forward_kv(model, context_ids + fact_ids)
+    assert (rotated - plain_keys[:, len(context_ids):]).abs().max() <= TOLERANCE
+    assert (encoded.values - plain_values[:, len(context_ids):]).abs().max() <= TOLERANCE
+
+
+def test_fact_behind_the_header_reproduces_plain_prefill_keys_and_values(tiny_llama_dir) -> None:
+    model, tokenizer = _load(tiny_llama_dir)
+    _assert_matches_plain_forward(model, tokenizer, memory_header_ids(tokenizer), "Ana keeps bees on her roof.")
+
+
+def test_fact_behind_a_window_of_turns_reproduces_plain_prefill(tiny_llama_dir) -> None:
+    model, tokenizer = _load(tiny_llama_dir)
+    context = memory_header_ids(tokenizer)
+    for turn in TURNS[:5]:
+        context += turn_token_ids(tokenizer, turn.speaker, turn.text)
+    _assert_matches_plain_forward(model, tokenizer, context, "Ana keeps bees on her roof.")
+
+
+def test_llama3_rope_scaling_uses_the_models_own_tables(tiny_llama3_scaled_dir) -> None:
+    model, tokenizer = _load(tiny_llama3_scaled_dir)
+    context = memory_header_ids(tokenizer)
+    for turn in TURNS:
+        context += turn_token_ids(tokenizer, turn.speaker, turn.text)
+    assert len(context) > 64  # past the original max positions, where llama3 scaling bends the frequencies
+    _assert_matches_plain_forward(model, tokenizer, context, "Ben sails every summer.")
+
+
+def test_tables_from_config_equal_tables_from_the_loaded_model(tiny_llama3_scaled_dir) -> None:
+    model, _ = _load(tiny_llama3_scaled_dir)
+    from_model = RotaryTables.from_model(model, 300)
+    from_config = RotaryTables.from_config(model.config, 300)
+    assert torch.equal(from_model.cos, from_config.cos) and torch.equal(from_model.sin, from_config.sin)
+
+
+def test_keys_rotated_to_a_later_position_match_a_shifted_encoding(tiny_llama_dir) -> None:
+    """Pre-RoPE storage is position-free: rotating to p equals encoding the same chunk at p."""
+    model, tokenizer = _load(tiny_llama_dir)
+    fact_ids = fact_token_ids(tokenizer, "Ben sails every summer.")
+    (at_zero,) = FactEncoder(model).encode([EncodingGroup([], [FactSpec(FactKey("u", "f", 1), fact_ids, 0)])])
+    tables = RotaryTables.from_model(model, 512)
+    shift = 137
+    layer0_rotated = apply_rope(at_zero.keys[0], torch.arange(shift, shift + len(fact_ids)), tables)
+    with torch.no_grad():
+        embedded = model.model.embed_tokens(torch.tensor([fact_ids]))
+        normed = model.model.layers[0].input_layernorm(embedded)
+        raw = model.model.layers[0].self_attn.k_proj(normed)[0].view(len(fact_ids), -1, layer0_rotated.shape[-1])
+        cos, sin = model.model.rotary_emb(embedded, torch.arange(shift, shift + len(fact_ids))[None])
+    expected = raw * cos[0][:, None] + torch.cat((-raw[..., raw.shape[-1] // 2:], raw[..., : raw.shape[-1] // 2]),
+                                                  -1) * sin[0][:, None]
+    assert (layer0_rotated - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("context_window", [0, 2, 3, -1])
+def test_shared_conversation_encoding_equals_naive_per_fact_encoding(tiny_llama_dir, context_window) -> None:
+    model, tokenizer = _load(tiny_llama_dir)
+    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), context_window, max_group_tokens=400)
+    jobs = [FactJob(FactKey(user, f"f{i}", 1), f"{user} fact {i}: likes item {i * 7}", TURNS[i].turn_id)
+            for user in ("alice", "bob") for i in range(1, 9)]
+    jobs.append(FactJob(FactKey("alice", "orphan", 1), "A fact without a source turn.", ""))
+    turns = {"alice": TURNS, "bob": TURNS[::-1]}
+    encoder = FactEncoder(model, max_tokens_per_forward=600)
+    naive = {e.spec.key: e for e in encoder.encode(builder.naive(jobs, turns))}
+    shared_groups = builder.shared(jobs, turns)
+    shared = {e.spec.key: e for e in encoder.encode(shared_groups)}
+    assert naive.keys() == shared.keys() == {job.key for job in jobs}
+    assert len(shared_groups) < len(jobs)
+    for key in naive:
+        assert naive[key].spec.prefix_length == shared[key].spec.prefix_length
+        assert (naive[key].keys - shared[key].keys).abs().max() <= TOLERANCE
+        assert (naive[key].values - shared[key].values).abs().max() <= TOLERANCE

@@ -1,0 +1,50 @@
+"""A tiny random-weight Llama with a byte-level BPE tokenizer, built offline in seconds (exactness tests)."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+WEIGHT_STD = 0.08
+
+
+def _training_text() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [path.read_text(errors="ignore") for path in sorted(stdlib.glob("*.py"))[:60]]
+
+
+def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab_size: int = 2000) -> Path:
+    """Writes config, fp32 weights and tokenizer to `directory` (a plain HF folder) and returns it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(directory)
+
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    if rope_scaling is not None:
+        config.rope_scaling = rope_scaling
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, WEIGHT_STD)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
