@@ -47,6 +47,12 @@ class ServiceConfig:
     embedding_threads: int = 1
     max_message_bytes: int = 64 * 1024 * 1024
     shutdown_grace_s: float = 5.0
+    kv_host_budget_mb: int = 1024
+    kv_gpu_budget_mb: int = 0
+    kv_disk_budget_gb: float = 100.0
+    kv_lease_seconds: int = 120
+    kv_lease_max_facts: int = 64
+    kv_max_attempts: int = 3
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
 
@@ -61,6 +67,12 @@ class ServiceConfig:
             raise ConfigError("--embedding-threads: must be at least 1")
         if self.max_message_bytes < 1024 * 1024:
             raise ConfigError("--max-message-bytes: must be at least 1 MiB")
+        if self.kv_host_budget_mb < 0 or self.kv_gpu_budget_mb < 0:
+            raise ConfigError("--kv-host-budget-mb / --kv-gpu-budget-mb: must not be negative (0 disables the tier)")
+        if self.kv_disk_budget_gb <= 0:
+            raise ConfigError("--kv-disk-budget-gb: must be positive (the disk tier is the durable one)")
+        if self.kv_lease_seconds < 1 or self.kv_lease_max_facts < 1 or self.kv_max_attempts < 1:
+            raise ConfigError("--kv-lease-seconds, --kv-lease-max-facts, --kv-max-attempts: must be at least 1")
         if self.log_level not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"--log-level: {self.log_level!r} is not one of debug, info, warning, error")
         for limit in dataclasses.fields(self.limits):
@@ -117,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", defaults.shutdown_grace_s))
     parser.add_argument("--log-level", default=_env("log_level", defaults.log_level))
+    parser.add_argument("--kv-host-budget-mb", type=int, default=_env("kv_host_budget_mb", defaults.kv_host_budget_mb),
+                        help="host-memory KV tier budget (pinned when CUDA is present; 0 disables)")
+    parser.add_argument("--kv-gpu-budget-mb", type=int, default=_env("kv_gpu_budget_mb", defaults.kv_gpu_budget_mb),
+                        help="GPU KV tier budget (used only when CUDA is present; 0 disables)")
+    parser.add_argument("--kv-disk-budget-gb", type=float,
+                        default=_env("kv_disk_budget_gb", defaults.kv_disk_budget_gb), help="disk KV tier budget")
+    parser.add_argument("--kv-lease-seconds", type=int, default=_env("kv_lease_seconds", defaults.kv_lease_seconds),
+                        help="default lease length for precompute work")
+    parser.add_argument("--kv-lease-max-facts", type=int,
+                        default=_env("kv_lease_max_facts", defaults.kv_lease_max_facts), help="largest lease batch")
+    parser.add_argument("--kv-max-attempts", type=int, default=_env("kv_max_attempts", defaults.kv_max_attempts),
+                        help="leases of one fact before it is marked failed")
     for limit in dataclasses.fields(Limits):
         parser.add_argument(
             f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
@@ -143,6 +167,12 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         max_message_bytes=int(args.max_message_bytes),
         shutdown_grace_s=float(args.shutdown_grace_s),
         log_level=str(args.log_level).lower(),
+        kv_host_budget_mb=int(args.kv_host_budget_mb),
+        kv_gpu_budget_mb=int(args.kv_gpu_budget_mb),
+        kv_disk_budget_gb=float(args.kv_disk_budget_gb),
+        kv_lease_seconds=int(args.kv_lease_seconds),
+        kv_lease_max_facts=int(args.kv_lease_max_facts),
+        kv_max_attempts=int(args.kv_max_attempts),
         limits=limits,
     )
     config.validate()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -41,6 +43,65 @@ class ServiceMetrics:
             registry=self.registry,
         )
 
+        self.kv_lookups = Counter(
+            "inferscale_kv_lookups", "retrieved facts checked for stored KV (RetrieveAndStage)", registry=self.registry
+        )
+        self.kv_ready = Counter(
+            "inferscale_kv_ready", "retrieved facts whose KV was stored (numerator of kv_lookups)",
+            registry=self.registry,
+        )
+        self.kv_facts_leased = Counter(
+            "inferscale_kv_facts_leased", "facts handed to precompute workers", registry=self.registry
+        )
+        self.kv_uploads = Counter(
+            "inferscale_kv_uploads", "fact KV uploads by outcome", ["outcome"], registry=self.registry
+        )
+        self.kv_work_failures = Counter(
+            "inferscale_kv_work_failures", "facts a worker reported it could not encode", registry=self.registry
+        )
+
+    def watch_kv(self, kv_store) -> None:
+        """Exports the KV tiers' accounting and the work queue's state, read at scrape time."""
+        self.registry.register(_KvCollector(kv_store))
+
     def serve(self, port: int, host: str) -> None:
         """Exposes /metrics over HTTP on a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _KvCollector(Collector):
+    def __init__(self, kv_store) -> None:
+        self._kv = kv_store
+
+    def collect(self):
+        tier_gauges = {
+            "entries": GaugeMetricFamily("inferscale_kv_tier_entries", "KV blobs held, by tier", labels=["tier"]),
+            "bytes": GaugeMetricFamily("inferscale_kv_tier_bytes", "KV bytes held, by tier", labels=["tier"]),
+        }
+        budget = GaugeMetricFamily("inferscale_kv_tier_budget_bytes", "KV byte budget, by tier", labels=["tier"])
+        tier_counters = {
+            "hits": CounterMetricFamily("inferscale_kv_tier_hits", "KV lookups found in the tier", labels=["tier"]),
+            "lookups": CounterMetricFamily("inferscale_kv_tier_lookups", "KV lookups in the tier", labels=["tier"]),
+            "evictions": CounterMetricFamily("inferscale_kv_tier_evictions", "KV blobs evicted", labels=["tier"]),
+        }
+        for tier in self._kv.tiers:
+            for name, family in (tier_gauges | tier_counters).items():
+                family.add_metric([tier.name], getattr(tier.stats, name))
+            budget.add_metric([tier.name], tier.budget_bytes)
+        yield from tier_gauges.values()
+        yield budget
+        yield from tier_counters.values()
+        corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "disk blobs that failed their checksum")
+        corrupt.add_metric([], self._kv.corrupt_blobs)
+        yield corrupt
+        queue = GaugeMetricFamily("inferscale_kv_queue_facts", "facts in the KV pipeline by profile and state",
+                                  labels=["profile_id", "state"])
+        lag = GaugeMetricFamily("inferscale_kv_queue_lag_seconds", "age of the oldest queued fact",
+                                labels=["profile_id"])
+        for profile_id in self._kv.index.profiles():
+            counts = self._kv.index.counts(profile_id)
+            for state in ("queued", "leased", "done", "failed"):
+                queue.add_metric([profile_id, state], getattr(counts, state))
+            lag.add_metric([profile_id], counts.lag_seconds)
+        yield queue
+        yield lag

@@ -55,6 +55,16 @@ class NewTurn:
     timestamp_us: int = 0
 
 
+@dataclass(frozen=True)
+class StoredTurn:
+    turn_id: str
+    seq: int
+    session_id: str
+    speaker: str
+    text: str
+    timestamp_us: int
+
+
 class IngestOutcome(Enum):
     CREATED = "created"
     UPDATED = "updated"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -16,8 +17,11 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.config import ServiceConfig
 from memory_service.embedder import Embedder
-from memory_service.errors import MemoryServiceError, NotFound, NotReady, status_code_for
+from memory_service.errors import InvalidArgument, MemoryServiceError, NotFound, NotReady, status_code_for
 from memory_service.metrics import ServiceMetrics
+from memory_service.kv_pipeline import KvPipeline, Upload
+from memory_service.kv_store import KvStoreBudgets, TieredKvStore
+from memory_service.kv_tiers import KvKey
 from memory_service.models import IngestOutcome, StoredFact
 from memory_service.profiles import validate_profile
 from memory_service.store import FactStore
@@ -67,6 +71,12 @@ def _fact_message(fact: StoredFact) -> pb.Fact:
     if fact.timestamp_us:
         message.timestamp.CopyFrom(_timestamp(fact.timestamp_us))
     return message
+
+
+def _profile_spec(profile: pb.KvProfile) -> dict:
+    return {field: getattr(profile, field) for field in (
+        "model", "model_hash", "kv_dtype", "tokenizer_hash", "header_hash", "recipe", "recipe_version",
+        "context_window")}
 
 
 def rpc(handler: Handler) -> Handler:
@@ -119,19 +129,38 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads
         )
         self.store: FactStore | None = None
+        self.kv: KvPipeline | None = None
         self.ready = False
 
     async def load(self) -> None:
         await self.embedder.load()
         store = FactStore(self.config.data_dir, self.config.embedding_model, self.embedder.dim)
         await store.open()
+        budgets = KvStoreBudgets(
+            gpu_bytes=self.config.kv_gpu_budget_mb << 20,
+            host_bytes=self.config.kv_host_budget_mb << 20,
+            disk_bytes=int(self.config.kv_disk_budget_gb * (1 << 30)),
+        )
+        kv_store = await asyncio.to_thread(
+            TieredKvStore, self.config.data_dir / "kv", budgets, self.config.kv_max_attempts
+        )
         self.store = store
+        self.kv = KvPipeline(store, kv_store)
+        self.metrics.watch_kv(kv_store)
+        await self.kv.reconcile()
         await self._refresh_stored_gauges()
         self.ready = True
 
     async def close(self) -> None:
         self.ready = False
         self.embedder.close()
+        if self.kv is not None:
+            self.kv.kv.close()
+
+    @property
+    def _kv(self) -> KvPipeline:
+        assert self.kv is not None
+        return self.kv
 
     @property
     def _store(self) -> FactStore:
@@ -173,6 +202,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         facts = validate_facts(request.facts, self.limits)
         self.metrics.ingest_batch_facts.observe(len(facts))
         results = await self._store.ingest_facts(user_id, facts, self._embed_for_ingest)
+        await self._kv.facts_changed(
+            user_id, [(r.fact_id, r.version) for r in results if r.outcome is not IngestOutcome.UNCHANGED]
+        )
         for result in results:
             self.metrics.facts_ingested.labels(outcome=result.outcome.value).inc()
         await self._refresh_stored_gauges()
@@ -202,18 +234,23 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         user_id = validate_id(request.user_id, "user_id")
         query = validate_text(request.query, "query", self.limits.max_query_chars)
         top_k = resolve_top_k(request.top_k, self.limits)
-        validate_profile(request.profile)
+        profile_id = validate_profile(request.profile)
         validate_id(request.node_id, "node_id")
+        await self._kv.announce(profile_id, _profile_spec(request.profile))
         results = await self._search(user_id, query, top_k)
-        # No KV is stored yet for any profile: every fact is returned as text only, without staging.
-        return pb.RetrieveAndStageResponse(
-            facts=[
-                pb.RetrievedFact(
-                    fact_id=r.fact.fact_id, version=r.fact.version, text=r.fact.text, score=r.score, rank=rank
-                )
-                for rank, r in enumerate(results, start=1)
-            ]
-        )
+        entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
+        facts = []
+        for rank, r in enumerate(results, start=1):
+            entry = entries.get(r.fact.fact_id)
+            facts.append(pb.RetrievedFact(
+                fact_id=r.fact.fact_id, version=r.fact.version, text=r.fact.text, score=r.score, rank=rank,
+                token_ids=entry.token_ids if entry else [], kv_ready=entry is not None,
+                kv_bytes=entry.nbytes if entry else 0,
+            ))
+        self.metrics.kv_lookups.inc(len(results))
+        self.metrics.kv_ready.inc(len(entries))
+        # The staging handle (node-side fetch by handle) comes with the inference node; nodes use FetchKv now.
+        return pb.RetrieveAndStageResponse(facts=facts)
 
     @rpc
     async def ListFacts(self, request: pb.ListFactsRequest, context) -> pb.ListFactsResponse:
@@ -234,6 +271,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         if not counts.users:
             raise NotFound(f"user_id: {user_id!r} has nothing stored")
         deleted = await self._store.delete_facts(user_id, fact_ids)
+        await self._kv.facts_deleted(user_id, fact_ids)
         await self._refresh_stored_gauges()
         deleted_set = set(deleted)
         return pb.DeleteFactsResponse(
@@ -245,6 +283,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def DeleteUser(self, request: pb.DeleteUserRequest, context) -> pb.DeleteUserResponse:
         user_id = validate_id(request.user_id, "user_id")
         facts, turns = await self._store.delete_user(user_id)
+        await self._kv.facts_deleted(user_id, None)
         if not facts and not turns:
             raise NotFound(f"user_id: {user_id!r} has nothing stored")
         await self._refresh_stored_gauges()
@@ -254,10 +293,82 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
         user_id = validate_id(request.user_id, "user_id") if request.user_id else ""
         counts = await self._store.counts(user_id)
+        profiles = []
+        for profile_id, spec in self._kv.index.profiles().items():
+            queue = await asyncio.to_thread(self._kv.counts, profile_id, user_id)
+            profiles.append(pb.ProfileKvStats(
+                profile_id=profile_id, model=spec["model"], context_window=spec["context_window"],
+                kv_dtype=spec["kv_dtype"], queued=queue.queued, leased=queue.leased, done=queue.done,
+                failed=queue.failed, lag_seconds=queue.lag_seconds, kv_bytes=queue.kv_bytes,
+            ))
+        tiers = [
+            pb.KvTierStats(name=tier.name, entries=tier.stats.entries, bytes=tier.stats.bytes,
+                           budget_bytes=tier.budget_bytes, hits=tier.stats.hits, lookups=tier.stats.lookups,
+                           evictions=tier.stats.evictions)
+            for tier in self._kv.kv.tiers
+        ]
         return pb.GetStatsResponse(
             users=counts.users,
             facts=counts.facts,
             turns=counts.turns,
             embedding_model=self.embedder.model_name,
             embedding_dim=self.embedder.dim,
+            profiles=profiles,
+            tiers=tiers,
         )
+
+    @rpc
+    async def AnnounceProfile(self, request: pb.AnnounceProfileRequest, context) -> pb.AnnounceProfileResponse:
+        profile_id = validate_profile(request.profile)
+        validate_id(request.announcer_id, "announcer_id")
+        queued = await self._kv.announce(profile_id, _profile_spec(request.profile))
+        return pb.AnnounceProfileResponse(profile_id=profile_id, facts_queued=queued)
+
+    @rpc
+    async def LeaseKvWork(self, request: pb.LeaseKvWorkRequest, context) -> pb.LeaseKvWorkResponse:
+        validate_id(request.worker_id, "worker_id")
+        profile_id = validate_id(request.profile_id, "profile_id")
+        if request.max_facts < 0 or request.lease_seconds < 0:
+            raise InvalidArgument("max_facts" if request.max_facts < 0 else "lease_seconds", "must not be negative")
+        max_facts = min(request.max_facts or self.config.kv_lease_max_facts, self.config.kv_lease_max_facts)
+        lease = await self._kv.lease(profile_id, max_facts, request.lease_seconds or self.config.kv_lease_seconds)
+        response = pb.LeaseKvWorkResponse(lease_id=lease.lease_id)
+        if not lease.facts:
+            return response
+        response.expires_at.FromMicroseconds(int(lease.expires_at * 1_000_000))
+        response.items.extend(
+            pb.KvWorkItem(user_id=f.user_id, fact_id=f.fact_id, version=f.version, text=f.text,
+                          source_turn_id=f.source_turn_id)
+            for f in lease.facts
+        )
+        for user_id, turns in lease.turns_by_user.items():
+            response.turns.append(pb.UserTurns(user_id=user_id, turns=[
+                pb.Turn(turn_id=t.turn_id, seq=t.seq, session_id=t.session_id, speaker=t.speaker, text=t.text)
+                for t in turns
+            ]))
+        self.metrics.kv_facts_leased.inc(len(lease.facts))
+        log.info("kv_work_leased", worker_id=request.worker_id, facts=len(lease.facts), lease_id=lease.lease_id)
+        return response
+
+    @rpc
+    async def CompleteKvWork(self, request: pb.CompleteKvWorkRequest, context) -> pb.CompleteKvWorkResponse:
+        validate_id(request.worker_id, "worker_id")
+        profile_id = validate_id(request.profile_id, "profile_id")
+        uploads = [Upload(r.user_id, r.fact_id, r.version, r.blob) for r in request.results]
+        failures = [(KvKey(profile_id, f.user_id, f.fact_id, f.version), f.error) for f in request.failures]
+        counts = await self._kv.complete(profile_id, uploads, failures)
+        self.metrics.kv_uploads.labels(outcome="accepted").inc(counts.accepted)
+        self.metrics.kv_uploads.labels(outcome="duplicate").inc(counts.duplicates)
+        self.metrics.kv_uploads.labels(outcome="stale").inc(counts.stale)
+        self.metrics.kv_work_failures.inc(len(failures))
+        return pb.CompleteKvWorkResponse(accepted=counts.accepted, duplicates=counts.duplicates, stale=counts.stale)
+
+    @rpc
+    async def FetchKv(self, request: pb.FetchKvRequest, context):
+        profile_id = validate_id(request.profile_id, "profile_id")
+        user_id = validate_id(request.user_id, "user_id")
+        for index, ref in enumerate(request.facts):
+            validate_id(ref.fact_id, f"facts[{index}].fact_id")
+        for ref in request.facts:
+            blob = await self._kv.fetch(KvKey(profile_id, user_id, ref.fact_id, ref.version))
+            await context.write(pb.FetchKvResponse(fact_id=ref.fact_id, version=ref.version, blob=blob or b""))

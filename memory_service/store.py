@@ -30,6 +30,7 @@ from memory_service.models import (
     ScoredFact,
     StoreCounts,
     StoredFact,
+    StoredTurn,
 )
 
 log = structlog.get_logger(__name__)
@@ -316,7 +317,30 @@ class FactStore:
                 self._writes_since_optimize += 1
             return facts, turns
 
+    async def fact_versions(self) -> list[tuple[str, str, int]]:
+        """(user_id, fact_id, version) of every stored fact."""
+        table = await self._facts_table.query().select(["user_id", "fact_id", "version"]).to_arrow()
+        return list(zip(*(table.column(name).to_pylist() for name in ("user_id", "fact_id", "version"))))
+
+    async def facts_by_ids(self, user_id: str, fact_ids: Sequence[str]) -> dict[str, StoredFact]:
+        if not fact_ids:
+            return {}
+        rows = await (
+            self._facts_table.query()
+            .where(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(fact_ids)})")
+            .select(_FACT_COLUMNS)
+            .to_list()
+        )
+        return {row["fact_id"]: _stored_fact(row) for row in rows}
+
     # ------------------------------------------------------------------ turns
+
+    async def turns_of_user(self, user_id: str) -> list[StoredTurn]:
+        """The user's turns in chronological order (seq, then turn_id)."""
+        rows = await self._turns_table.query().where(f"user_id = '{user_id}'").select(
+            ["turn_id", "seq", "session_id", "speaker", "text", "timestamp_us"]).to_list()
+        turns = [StoredTurn(**row) for row in rows]
+        return sorted(turns, key=lambda turn: (turn.seq, turn.turn_id))
 
     async def ingest_turns(self, user_id: str, turns: Sequence[NewTurn]) -> int:
         rows = pa.Table.from_pylist(
