@@ -212,7 +212,7 @@ class KvIndex:
         oldest = self._query(f"SELECT min(enqueued_at) FROM jobs WHERE profile_id = ? AND state != 'failed'{user_filter}",
                              [profile_id, *params])[0][0]
         done, kv_bytes = self._query(
-            f"SELECT count(*), coalesce(sum(nbytes), 0) FROM kv_entries WHERE profile_id = ?{user_filter}",
-            [profile_id, *params])[0]
+            "SELECT count(*), coalesce(sum(nbytes), 0) FROM kv_entries WHERE profile_id = ? AND user_id != '_profile'"
+            f"{user_filter}", [profile_id, *params])[0]
         return QueueCounts(queued=states.get(QUEUED, 0), leased=states.get(LEASED, 0), failed=states.get(FAILED, 0),
                            done=done, kv_bytes=kv_bytes, lag_seconds=max(0.0, now - oldest) if oldest else 0.0)

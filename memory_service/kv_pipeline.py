@@ -19,6 +19,13 @@ from memory_service.store import FactStore
 
 log = structlog.get_logger(__name__)
 
+# The profile's memory header KV is stored like a fact of this reserved user (outside the id alphabet).
+HEADER_USER, HEADER_FACT, HEADER_VERSION = "_profile", "header", 1
+
+
+def header_key(profile_id: str) -> KvKey:
+    return KvKey(profile_id, HEADER_USER, HEADER_FACT, HEADER_VERSION)
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -52,8 +59,11 @@ class KvPipeline:
     def index(self):
         return self.kv.index
 
-    async def announce(self, profile_id: str, spec: dict) -> int:
-        """Registers a profile; a new one gets every stored fact queued. Returns facts queued."""
+    async def announce(self, profile_id: str, spec: dict, header_blob: bytes = b"") -> int:
+        """Registers a profile (and stores its header KV when given); a new profile gets every stored fact
+        queued. Returns facts queued."""
+        if header_blob:
+            await self._store_header(profile_id, header_blob)
         if not await asyncio.to_thread(self.index.add_profile, profile_id, spec):
             return 0
         versions = await self.facts.fact_versions()
@@ -61,13 +71,27 @@ class KvPipeline:
         log.info("profile_announced", profile_id=profile_id, facts_queued=queued, **spec)
         return queued
 
+    async def _store_header(self, profile_id: str, blob: bytes) -> None:
+        key = header_key(profile_id)
+        try:
+            header = read_kv_header(blob)
+        except CorruptKvBlob as exc:
+            raise InvalidArgument("header_kv", str(exc)) from None
+        if (header.profile_id, header.user_id, header.fact_id, header.version) != (
+                profile_id, key.user_id, key.fact_id, key.version):
+            raise InvalidArgument("header_kv", f"must name profile {profile_id}, user {HEADER_USER!r}, "
+                                               f"fact {HEADER_FACT!r}, version {HEADER_VERSION}")
+        if self.index.stored_version(profile_id, key.user_id, key.fact_id) is None:
+            await asyncio.to_thread(self.kv.put, key, blob, header.token_ids)
+
     async def reconcile(self) -> int:
         """After a restart: disk and index agree, and every fact lacking KV for a profile is queued."""
         await asyncio.to_thread(self.kv.reconcile)
         current = {(user, fact): version for user, fact, version in await self.facts.fact_versions()}
         covered = {(k.profile_id, k.user_id, k.fact_id, k.version)
                    for k in [*self.index.all_entry_keys(), *self.index.all_job_keys()]}
-        stale = [k for k in self.index.all_entry_keys() if current.get((k.user_id, k.fact_id)) != k.version]
+        stale = [k for k in self.index.all_entry_keys()
+                 if k.user_id != HEADER_USER and current.get((k.user_id, k.fact_id)) != k.version]
         for key in stale:
             self.index.forget_entry(key)
         self.kv.remove(stale)

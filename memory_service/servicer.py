@@ -19,7 +19,7 @@ from memory_service.config import ServiceConfig
 from memory_service.embedder import Embedder
 from memory_service.errors import InvalidArgument, MemoryServiceError, NotFound, NotReady, status_code_for
 from memory_service.metrics import ServiceMetrics
-from memory_service.kv_pipeline import KvPipeline, Upload
+from memory_service.kv_pipeline import HEADER_FACT, HEADER_VERSION, KvPipeline, Upload, header_key
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
 from memory_service.kv_tiers import KvKey
 from memory_service.models import IngestOutcome, StoredFact
@@ -321,7 +321,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def AnnounceProfile(self, request: pb.AnnounceProfileRequest, context) -> pb.AnnounceProfileResponse:
         profile_id = validate_profile(request.profile)
         validate_id(request.announcer_id, "announcer_id")
-        queued = await self._kv.announce(profile_id, _profile_spec(request.profile))
+        queued = await self._kv.announce(profile_id, _profile_spec(request.profile), request.header_kv)
         return pb.AnnounceProfileResponse(profile_id=profile_id, facts_queued=queued)
 
     @rpc
@@ -369,6 +369,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         user_id = validate_id(request.user_id, "user_id")
         for index, ref in enumerate(request.facts):
             validate_id(ref.fact_id, f"facts[{index}].fact_id")
+        if request.include_header:
+            blob = await self._kv.fetch(header_key(profile_id))
+            await context.write(pb.FetchKvResponse(fact_id=HEADER_FACT, version=HEADER_VERSION, blob=blob or b""))
         for ref in request.facts:
             blob = await self._kv.fetch(KvKey(profile_id, user_id, ref.fact_id, ref.version))
             await context.write(pb.FetchKvResponse(fact_id=ref.fact_id, version=ref.version, blob=blob or b""))

@@ -13,12 +13,13 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.model_profile import ModelProfile
-from precompute_worker.encoder import EncodedFact, FactEncoder, FactKey
+from precompute_worker.encoder import EncodedFact, EncodingGroup, FactEncoder, FactKey, FactSpec
 from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
 
 log = structlog.get_logger(__name__)
 
 UPLOAD_CHUNK_BYTES = 16 << 20
+HEADER_KEY = FactKey("_profile", "header", 1)
 
 
 @dataclass
@@ -52,9 +53,15 @@ class PrecomputeWorker:
                                    max_group_tokens=encoder.max_tokens_per_forward)
         self.stats = WorkerStats()
 
+    def header_blob(self) -> bytes:
+        """The memory header's KV (a plain prefix: exact), stored beside the facts for the nodes."""
+        (encoded,) = self.encoder.encode([EncodingGroup([], [FactSpec(HEADER_KEY, list(self.groups.header_ids), 0)])])
+        return self._upload(encoded).blob
+
     def announce(self) -> int:
         response = self.stub.AnnounceProfile(pb.AnnounceProfileRequest(
-            profile=profile_message(self.profile), role=pb.PROFILE_ROLE_WORKER, announcer_id=self.worker_id))
+            profile=profile_message(self.profile), role=pb.PROFILE_ROLE_WORKER, announcer_id=self.worker_id,
+            header_kv=self.header_blob()))
         log.info("profile_announced", profile_id=response.profile_id, facts_queued=response.facts_queued)
         return response.facts_queued
 

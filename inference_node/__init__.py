@@ -1,0 +1,1 @@
+"""Inference node: vLLM's OpenAI server with InferScale's KV connector and memory middleware."""

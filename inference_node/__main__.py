@@ -1,0 +1,82 @@
+"""`python -m inference_node --memory-service HOST:PORT --model DIR [vLLM flags...]`
+
+Starts vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server) with InferScale's KV connector and
+memory middleware configured; every flag it does not know is passed to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from inference_node.settings import SETTINGS_ENV, NodeSettings
+from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.profile import KV_DTYPES
+
+ENV_PREFIX = "INFERSCALE_NODE_"
+
+
+def _env(name: str, default):
+    return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m inference_node", add_help=True, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="vLLM's OpenAI server with InferScale memory (KV connector + middleware). Unknown flags go "
+        f"to vLLM. Flags also read {ENV_PREFIX}<FLAG>.")
+    parser.add_argument("--memory-service", default=_env("memory_service", "127.0.0.1:50051"))
+    parser.add_argument("--model", default=_env("model", None), help="local model folder (also passed to vLLM)")
+    parser.add_argument("--node-id", default=_env("node_id", socket.gethostname()))
+    parser.add_argument("--kv-dtype", default=_env("kv_dtype", "float32"), choices=KV_DTYPES,
+                        help="storage dtype of the fact KV this node serves (the workers' --kv-dtype)")
+    parser.add_argument("--context-window", type=int, default=int(_env("context_window", 0)),
+                        help="the workers' --context-window")
+    parser.add_argument("--model-name", default=_env("model_name", None), help="the workers' --model-name")
+    parser.add_argument("--node-cache-mb", type=int, default=int(_env("node_cache_mb", 4096)),
+                        help="device memory for cached fact KV")
+    parser.add_argument("--memory-top-k", type=int, default=int(_env("memory_top_k", 20)),
+                        help="facts per request when the request does not say")
+    parser.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    return parser
+
+
+def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings]:
+    args, vllm_args = build_parser().parse_known_args(argv)
+    if not args.model or not Path(args.model).is_dir():
+        raise SystemExit(f"inference_node: --model: {args.model!r} is not a local model folder")
+    from transformers import AutoTokenizer
+
+    model_dir = Path(args.model)
+    profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), args.kv_dtype,
+                                  args.context_window, args.model_name)
+    settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
+                            profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
+                            default_top_k=args.memory_top_k)
+    transfer = {
+        "kv_connector": "InferScaleConnector",
+        "kv_connector_module_path": "inference_node.connector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": json.loads(settings.to_json()),
+    }
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               *vllm_args, "--kv-transfer-config", json.dumps(transfer),
+               "--middleware", "inference_node.middleware.MemoryMiddleware", "--enable-prompt-tokens-details"]
+    return command, settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    command, settings = vllm_command(argv)
+    if "--dry-run" in (argv if argv is not None else sys.argv[1:]):
+        print(" ".join(command))
+        return
+    os.execvpe(command[0], command, {**os.environ, SETTINGS_ENV: settings.to_json()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""OpenAI-API middleware: turns a request's `memory` field into the user's retrieved facts in the prompt.
+
+A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddleware`): it reads the body
+of POST /v1/chat/completions and /v1/completions, removes `memory`, calls RetrieveAndStage, writes the facts
+into the prompt (one per line, best last) and, in kv mode, adds the load plan (`kv_transfer_params`) and a
+`cache_salt`; then it replays the rewritten body to vLLM once and delegates `receive`. Responses get an
+`x-inferscale-memory` header with a JSON summary. If the memory service cannot be reached the request is
+answered without memory, and the header says so.
+
+    "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off"}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from inference_node.memory_prompt import cache_salt, plan_memory, system_content
+from inference_node.settings import NodeSettings
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.layout import memory_header_ids, memory_header_text
+
+MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
+MODES = ("kv", "text", "off")
+SUMMARY_HEADER = b"x-inferscale-memory"
+
+REQUESTS = Counter("inferscale_node_memory_requests", "requests with a memory field, by mode", ["mode"])
+RETRIEVE_ERRORS = Counter("inferscale_node_retrieve_errors",
+                          "memory requests answered without memory because RetrieveAndStage failed")
+FACTS_PLACED = Counter("inferscale_node_facts", "facts placed in prompts, by how", ["how"])
+STAGE_SECONDS = Histogram("inferscale_node_stage_seconds", "RetrieveAndStage latency seen by the node",
+                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+class MemoryRequestError(ValueError):
+    """The `memory` field is malformed (HTTP 400)."""
+
+
+def parse_memory(memory: Any, settings: NodeSettings) -> tuple[str, int, str]:
+    if not isinstance(memory, dict):
+        raise MemoryRequestError("memory: must be an object")
+    user_id = memory.get("user_id")
+    if not isinstance(user_id, str) or not user_id:
+        raise MemoryRequestError("memory.user_id: must be a non-empty string")
+    mode = memory.get("mode", "kv")
+    if mode not in MODES:
+        raise MemoryRequestError(f"memory.mode: must be one of {', '.join(MODES)}")
+    top_k = memory.get("top_k", settings.default_top_k)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= settings.max_top_k:
+        raise MemoryRequestError(f"memory.top_k: must be an integer in [1, {settings.max_top_k}]")
+    return user_id, top_k, mode
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def query_of(payload: dict, path: str) -> str:
+    if path == "/v1/chat/completions":
+        users = [m for m in payload.get("messages", []) if isinstance(m, dict) and m.get("role") == "user"]
+        return _text_of(users[-1].get("content")) if users else ""
+    prompt = payload.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+class MemoryMiddleware:
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+        self.settings = NodeSettings.from_env()
+        self._tokenizer = None
+        self._header_ids: list[int] = []
+        self._header_text = ""
+        self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
+        self._profile = pb.KvProfile(**self.settings.profile)
+
+    def _prepare(self) -> None:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
+            self._header_ids = memory_header_ids(self._tokenizer)
+            self._header_text = memory_header_text(self._tokenizer)
+        if self._stub is None:
+            channel = grpc.aio.insecure_channel(self.settings.memory_service)
+            self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in MEMORY_PATHS:
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict) or "memory" not in payload:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        try:
+            user_id, top_k, mode = parse_memory(payload.pop("memory"), self.settings)
+        except MemoryRequestError as exc:
+            await _send_error(send, 400, str(exc))
+            return
+        REQUESTS.labels(mode=mode).inc()
+        summary: dict[str, Any] = {"mode": mode}
+        if mode != "off":
+            await self._add_memory(payload, scope["path"], user_id, top_k, mode, summary)
+        new_body = json.dumps(payload).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new_body)).encode()))
+        summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
+
+        async def send_with_summary(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
+            await send(message)
+
+        await self.app({**scope, "headers": headers}, _replay(new_body, receive), send_with_summary)
+
+    async def _add_memory(self, payload: dict, path: str, user_id: str, top_k: int, mode: str,
+                          summary: dict[str, Any]) -> None:
+        self._prepare()
+        query = query_of(payload, path) or " "
+        started = time.perf_counter()
+        try:
+            response = await self._stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                user_id=user_id, query=query[:2000], top_k=top_k, profile=self._profile,
+                node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            RETRIEVE_ERRORS.inc()
+            summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)
+            return
+        stage_seconds = time.perf_counter() - started
+        STAGE_SECONDS.observe(stage_seconds)
+        plan = plan_memory(list(response.facts), self._header_ids, self.settings.profile_id, user_id)
+        if path == "/v1/chat/completions":
+            messages = payload.get("messages", [])
+            client_system = ""
+            if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+                client_system = _text_of(messages.pop(0).get("content"))
+            payload["messages"] = [{"role": "system", "content": system_content(plan.block_text, client_system)},
+                                   *messages]
+        else:
+            payload["prompt"] = self._header_text + plan.block_text + (payload.get("prompt") or "")
+        summary.update(facts=len(plan.facts), stage_ms=round(stage_seconds * 1000, 2))
+        if mode == "kv":
+            payload["kv_transfer_params"] = plan.kv_params
+            payload["cache_salt"] = cache_salt(self.settings.profile_id, user_id, plan)
+            summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
+            FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
+            FACTS_PLACED.labels(how="text").inc(len(plan.facts) - plan.kv_facts)
+        else:
+            FACTS_PLACED.labels(how="text").inc(len(plan.facts))
+
+
+async def _read_body(receive: Callable) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A receive that yields the (rewritten) body once, then delegates (disconnects and so on)."""
+    delivered = False
+
+    async def replay_receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay_receive
+
+
+async def _send_error(send: Callable, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "memory",
+                                 "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

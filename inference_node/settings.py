@@ -1,0 +1,44 @@
+"""Node settings, computed once by `python -m inference_node` and handed to vLLM's processes.
+
+The middleware (API server process) reads them from the environment; the connector (engine and worker
+processes) from `kv_connector_extra_config`. Both carry the same JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    memory_service: str
+    node_id: str
+    model_dir: str
+    profile: dict = field(default_factory=dict)  # ModelProfile.as_dict()
+    node_cache_mb: int = 4096
+    retrieve_timeout_s: float = 2.0
+    fetch_timeout_s: float = 10.0
+    default_top_k: int = 20
+    max_top_k: int = 200
+
+    @property
+    def profile_id(self) -> str:
+        return self.profile["profile_id"]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_mapping(cls, values: dict) -> NodeSettings:
+        return cls(**{key: value for key, value in values.items() if key in cls.__dataclass_fields__})
+
+    @classmethod
+    def from_env(cls) -> NodeSettings:
+        raw = os.environ.get(SETTINGS_ENV)
+        if not raw:
+            raise RuntimeError(f"{SETTINGS_ENV} is not set: start the node with `python -m inference_node`")
+        return cls.from_mapping(json.loads(raw))
