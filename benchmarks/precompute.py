@@ -1,4 +1,4 @@
-"""Precompute benchmark: facts/s of fact KV encoding (w=0, w=20 naive, w=20 shared, all turns) and bytes per fact.
+"""Precompute benchmark: facts/s of fact KV encoding (w=0, w=20 naive, w=20 shared) and bytes per fact.
 
     python -m benchmarks.precompute [--model DIR] [--facts 100] [--locomo PATH]
 
@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--locomo", type=Path, default=None, help="LoCoMo JSON (uses its first conversation)")
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--all-turns", action="store_true",
+                        help="also encode behind all preceding turns (slow on a CPU: one long forward)")
     parser.add_argument("--output", type=Path, default=Path("results/precompute.json"))
     args = parser.parse_args()
     if args.threads:
@@ -87,7 +89,9 @@ def main() -> None:
     encoder.encode(GroupBuilder(tokenizer, header, 0, encoder.max_tokens_per_forward).shared(jobs[:4], turns_by_user))
 
     variants = [("w=0", 0, "shared"), (f"w={args.window} naive", args.window, "naive"),
-                (f"w={args.window} shared", args.window, "shared"), ("all turns shared", -1, "shared")]
+                (f"w={args.window} shared", args.window, "shared")]
+    if args.all_turns:
+        variants.append(("all turns shared", -1, "shared"))
     rows = []
     encoded_w0 = None
     for name, window, mode in variants:

@@ -1,0 +1,53 @@
+"""Under a KV cache too small for the load, preempted and resumed injected requests still answer right."""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from inference_node.launcher import InferenceNodeProcess
+from inferscale.v1 import memory_pb2 as pb
+from tests.inference_node.conftest import complete, run_worker
+
+USERS = [f"busy-{i}" for i in range(8)]
+QUESTION = "def answer(question):"
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def crowded_node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
+    for n, user in enumerate(USERS):
+        node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+            pb.FactInput(fact_id=f"f{i}", text=f"User {n} fact {i}: likes item {n * 10 + i} a lot.") for i in range(6)]))
+    run_worker(node_memory_service, tiny_llama_dir)
+    # 16 blocks of 32 tokens: two of these requests fit at once, so growing ones preempt each other.
+    process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("crowded"),
+                                   "--dtype", "float32", "--max-model-len", "384", "--block-size", "32",
+                                   "--num-gpu-blocks-override", "16", "--max-num-seqs", "8").start()
+    yield process
+    process.stop()
+
+
+def _preemptions(node: InferenceNodeProcess) -> float:
+    with urllib.request.urlopen(f"{node.base_url}/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("vllm:num_preemptions_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_every_preempted_injected_request_gives_its_unpreempted_answer(crowded_node) -> None:
+    # One at a time, each request fits: no preemption. These are the right answers.
+    expected = {user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS)
+                for user in USERS}
+    before = _preemptions(crowded_node)
+    with ThreadPoolExecutor(max_workers=len(USERS)) as pool:
+        injected = dict(zip(USERS, pool.map(
+            lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS)))
+    assert _preemptions(crowded_node) > before, "the load did not cause any preemption"
+    for user in USERS:
+        assert injected[user].summary["kv_facts"] == 6
+        assert injected[user].tokens == expected[user].tokens, user
+        assert max(abs(a - b) for a, b in zip(injected[user].logprobs, expected[user].logprobs)) <= 1e-3
