@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test demo bench-memory bench-precompute clean
+.PHONY: install test demo bench-memory bench-precompute bench-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench-memory: install
 
 bench-precompute: install
 	$(PY) -m benchmarks.precompute
+
+bench-serve: install
+	$(PY) -m benchmarks.serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -17,8 +17,10 @@ Roles talk only through `InferScaleConnectorMetadata`:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from inference_node.memory_prompt import HEADER_CHUNK, PARAMS_KEY
 from inference_node.node_cache import CachedKv, NodeKvCache
-from inference_node.settings import NodeSettings
+from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
 from inferscale_kv.rope import RotaryTables, apply_rope
 from memory_service.kv_tiers import KvKey
@@ -160,7 +161,10 @@ class InferScaleConnector(KVConnectorBase_V1):
             return
         for spec in metadata.loads:
             try:
+                started = time.perf_counter()
                 self._load(spec, forward_context)
+                if self.settings.load_stats_path:
+                    self._record_load(spec, started)
             except Exception:  # noqa: BLE001 - never into the engine: report, and vLLM recomputes
                 logger.exception("InferScale: KV load failed for request %s; it will be recomputed", spec.request_id)
                 first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
@@ -181,6 +185,15 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ loading
 
+    def _record_load(self, spec: LoadSpec, started: float) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        record = {"request_id": spec.request_id, "tokens": spec.end - spec.start, "chunks": len(spec.chunks),
+                  "ms": (time.perf_counter() - started) * 1000, "cache_hits": self._cache.hits,
+                  "cache_lookups": self._cache.lookups}
+        with open(self.settings.load_stats_path, "a") as stats_file:
+            stats_file.write(json.dumps(record) + "\n")
+
     def _memory_stub(self):
         with self._stub_lock:
             if self._stub is None:
@@ -198,11 +211,22 @@ class InferScaleConnector(KVConnectorBase_V1):
             return KvKey(spec.profile_id, HEADER_USER, HEADER_CHUNK, 1)
         return KvKey(spec.profile_id, spec.user_id, chunk.fact_id, chunk.version)
 
+    def _synthetic(self, chunk: ChunkLoad, device: torch.device, dtype: torch.dtype) -> CachedKv:
+        config = self._model_config.hf_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (config.num_hidden_layers, len(chunk.token_ids), config.num_key_value_heads, head_dim)
+        return CachedKv(torch.randn(shape, device=device, dtype=dtype) * 0.1,
+                        torch.randn(shape, device=device, dtype=dtype) * 0.1, chunk.token_ids)
+
     def _chunk_kv(self, spec: LoadSpec, device: torch.device, dtype: torch.dtype) -> list[CachedKv]:
         keys = [self._key(spec, chunk) for chunk in spec.chunks]
         entries = {key: self._cache.get(key) for key in keys}
         missing = [(key, chunk) for key, chunk in zip(keys, spec.chunks) if entries[key] is None]
-        if missing:
+        if missing and self.settings.synthetic_kv:
+            for key, chunk in missing:
+                entries[key] = self._synthetic(chunk, device, dtype)
+                self._cache.put(key, entries[key], protected=set(keys))
+        elif missing:
             from inferscale.v1 import memory_pb2 as pb
 
             request = pb.FetchKvRequest(

@@ -6,11 +6,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from inference_node.settings import HEADER_CHUNK, PARAMS_KEY
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import MEMORY_INSTRUCTION
-
-PARAMS_KEY = "inferscale"
-HEADER_CHUNK = "header"
 
 
 @dataclass(frozen=True)

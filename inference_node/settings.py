@@ -11,6 +11,9 @@ import os
 from dataclasses import asdict, dataclass, field
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
+# The key of InferScale's load plan in a request's kv_transfer_params, and the name of its header chunk.
+PARAMS_KEY = "inferscale"
+HEADER_CHUNK = "header"
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,11 @@ class NodeSettings:
     fetch_timeout_s: float = 10.0
     default_top_k: int = 20
     max_top_k: int = 200
+    # Speed runs only: fact KV of the right shape is made up on a node-cache miss instead of fetched, so the
+    # engine side can be measured without a memory service. Never set in serving (benchmarks say it when set).
+    synthetic_kv: bool = False
+    # When set, the worker-side connector appends one JSON line per load (tokens, milliseconds) to this file.
+    load_stats_path: str = ""
 
     @property
     def profile_id(self) -> str:
