@@ -44,7 +44,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="vLLM's share; the node cache of fact KV lives outside it")
+    parser.add_argument("--node-cache-mb", type=int, default=24576)
+    parser.add_argument("--no-load-stats", action="store_true",
+                        help="skip the connector's per-phase timing (it synchronizes the device per load)")
+    parser.add_argument("--pool-extra", type=int, default=10,
+                        help="facts per user beyond k; each request retrieves k of them in its own order")
     parser.add_argument("--output", type=Path, default=Path("results/engine_injection.json"))
     args = parser.parse_args()
 
@@ -61,8 +67,8 @@ def main() -> None:
     config = json.loads((model_dir / "config.json").read_text())
     stats_path = work / "loads.jsonl"
     settings = {"memory_service": "unused:0", "node_id": "bench", "model_dir": str(model_dir),
-                "profile": {"profile_id": "kvp-synthetic"}, "synthetic_kv": True, "load_stats_path": str(stats_path),
-                "node_cache_mb": 16384}
+                "profile": {"profile_id": "kvp-synthetic"}, "synthetic_kv": True, "load_stats_path": "" if args.no_load_stats else str(stats_path),
+                "node_cache_mb": args.node_cache_mb}
     llm = LLM(
         model=str(model_dir), load_format="dummy" if args.shape else "auto", skip_tokenizer_init=True,
         dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=True, seed=0,
@@ -76,17 +82,22 @@ def main() -> None:
     header = [rng.randrange(100, vocab) for _ in range(args.header_tokens)]
     counter = iter(range(10**9))
 
-    def request(mode: str, k: int, user: int) -> tuple[dict, SamplingParams, int]:
-        """One user's request; a user's facts are the same across requests (their KV stays in the node cache)."""
+    def request(mode: str, k: int, user: int, everything: bool = False) -> tuple[dict, SamplingParams, int]:
+        """One user's request: k facts of the user's pool, chosen and ordered per request as retrieval would
+        (so text mode cannot reuse an earlier prompt's memory from the prefix cache, while kv mode finds each
+        fact's KV in the node cache). `everything` takes the whole pool (to warm the node cache)."""
+        pool = k + args.pool_extra
+        chosen = list(range(pool)) if everything else rng.sample(range(pool), k)
         facts = [[random.Random(user * 1000 + i).randrange(100, vocab) for _ in range(args.tokens_per_fact)]
-                 for i in range(k)]
+                 for i in chosen]
+        k = len(chosen)
         query = [rng.randrange(100, vocab) for _ in range(args.query_tokens)]
         memory = [] if mode == "off" else [t for fact in facts for t in fact]
         prompt = {"prompt_token_ids": header + memory + query}
         extra = {}
         if mode == "kv":
             chunks = [{"fact_id": "header", "version": 1, "token_ids": header}]
-            chunks += [{"fact_id": f"u{user}-f{i}", "version": 1, "token_ids": fact} for i, fact in enumerate(facts)]
+            chunks += [{"fact_id": f"u{user}-f{i}", "version": 1, "token_ids": fact} for i, fact in zip(chosen, facts)]
             extra = {"kv_transfer_params": {"inferscale": {"profile_id": "kvp-synthetic", "user_id": f"u{user}",
                                                            "chunks": chunks}}}
             prompt["cache_salt"] = f"request-{next(counter)}"  # per request: nothing reused from earlier prompts
@@ -95,7 +106,7 @@ def main() -> None:
     def ttft_ms(mode: str, k: int) -> tuple[float, int]:
         samples, cached = [], 0
         for repeat in range(args.repeats + 1):
-            prompt, extra, _ = request(mode, k, user=repeat % 4)
+            prompt, extra, _ = request(mode, k, user=repeat % args.batch)
             params = SamplingParams(max_tokens=1, temperature=0, extra_args=extra or None)
             started = time.perf_counter()
             output = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -107,6 +118,10 @@ def main() -> None:
     results = {"model": args.shape or str(model_dir), "dtype": args.dtype, "synthetic_kv": True, "k": {}}
     for k in args.k:
         row = {}
+        warm = [request("kv", k, user, everything=True) for user in range(args.batch)]
+        llm.generate([prompt for prompt, _, _ in warm],
+                     [SamplingParams(max_tokens=1, extra_args=extra) for _, extra, _ in warm], use_tqdm=False)
+        stats_path.unlink(missing_ok=True)
         for mode in ("text", "kv", "off"):
             median_ms, cached = ttft_ms(mode, k)
             row[f"ttft_ms_{mode}"] = median_ms
@@ -127,8 +142,11 @@ def main() -> None:
         row["ttft_ratio_kv_text"] = row["ttft_ms_kv"] / row["ttft_ms_text"]
         row["throughput_ratio_kv_text"] = row["throughput_rps_kv"] / row["throughput_rps_text"]
         loads = [json.loads(line) for line in stats_path.read_text().splitlines()] if stats_path.exists() else []
-        full = [load["ms"] for load in loads if load["chunks"] == k + 1]
+        full = [load["ms"] for load in loads if load["chunks"] == k + 1 and not load["node_cache_misses"]]
         row["connector_ms_per_request_p50"] = statistics.median(full) if full else None
+        warm_loads = [load for load in loads if load["chunks"] == k + 1 and not load["node_cache_misses"]]
+        for phase in ("stage_ms", "compose_ms", "write_ms"):
+            row[f"connector_{phase}_p50"] = statistics.median(l[phase] for l in warm_loads) if warm_loads else None
         row["connector_loads_measured"] = len(full)
         results["k"][str(k)] = row
         stats_path.unlink(missing_ok=True)
@@ -144,6 +162,9 @@ def main() -> None:
               f"{row['ttft_ms_off']:>10.1f}{row['ttft_ratio_kv_text']:>9.2f}{row['throughput_rps_text']:>10.1f}"
               f"{row['throughput_rps_kv']:>9.1f}{row['throughput_ratio_kv_text']:>7.2f}"
               f"{(row['connector_ms_per_request_p50'] or float('nan')):>9.2f}{row['cached_tokens_kv']:>11}")
+        print(f"      connector phases p50 (ms): stage from node cache {row['connector_stage_ms_p50']}, "
+              f"RoPE compose {row['connector_compose_ms_p50']}, cache writes {row['connector_write_ms_p50']}; "
+              f"text-mode cached tokens {row['cached_tokens_text']}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from vllm.logger import init_logger
 from inference_node.node_cache import CachedKv, NodeKvCache
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
-from inferscale_kv.rope import RotaryTables, apply_rope
+from inferscale_kv.rope import RotaryTables, apply_rope_span
 from memory_service.kv_tiers import KvKey
 
 if TYPE_CHECKING:
@@ -104,9 +104,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pending: dict[str, LoadSpec] = {}
         # Worker side.
         self._model_config = vllm_config.model_config
-        self._tables: RotaryTables | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin in the model dtype on the device
+        self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache(self.settings.node_cache_mb << 20)
         self._failed_blocks: set[int] = set()
+        self._last_misses = 0
+        self._phase_ends: dict[str, float] = {}
         self._stub = None
         self._stub_lock = threading.Lock()
 
@@ -161,6 +164,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             return
         for spec in metadata.loads:
             try:
+                if self.settings.load_stats_path and torch.cuda.is_available():
+                    torch.cuda.synchronize()  # benchmark mode: time this load's work alone
                 started = time.perf_counter()
                 self._load(spec, forward_context)
                 if self.settings.load_stats_path:
@@ -185,12 +190,19 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ loading
 
+    def _mark(self, phase: str) -> None:
+        """Benchmark mode only: the time at the end of a load phase (after the device finished it)."""
+        if self.settings.load_stats_path:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._phase_ends[phase] = time.perf_counter()
+
     def _record_load(self, spec: LoadSpec, started: float) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        ends = self._phase_ends
         record = {"request_id": spec.request_id, "tokens": spec.end - spec.start, "chunks": len(spec.chunks),
-                  "ms": (time.perf_counter() - started) * 1000, "cache_hits": self._cache.hits,
-                  "cache_lookups": self._cache.lookups}
+                  "ms": (ends["write"] - started) * 1000, "node_cache_misses": self._last_misses,
+                  "stage_ms": (ends["stage"] - started) * 1000, "compose_ms": (ends["compose"] - ends["stage"]) * 1000,
+                  "write_ms": (ends["write"] - ends["compose"]) * 1000}
         with open(self.settings.load_stats_path, "a") as stats_file:
             stats_file.write(json.dumps(record) + "\n")
 
@@ -222,6 +234,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         keys = [self._key(spec, chunk) for chunk in spec.chunks]
         entries = {key: self._cache.get(key) for key in keys}
         missing = [(key, chunk) for key, chunk in zip(keys, spec.chunks) if entries[key] is None]
+        self._last_misses = len(missing)
         if missing and self.settings.synthetic_kv:
             for key, chunk in missing:
                 entries[key] = self._synthetic(chunk, device, dtype)
@@ -246,22 +259,32 @@ class InferScaleConnector(KVConnectorBase_V1):
                 entries[key] = entry
         return [entries[key] for key in keys]
 
+    def _attention_layers(self, forward_context: ForwardContext) -> dict[int, Any]:
+        if self._layers is None:
+            layers = {}
+            for name, layer in forward_context.no_compile_layers.items():
+                match = _LAYER_INDEX.search(name)
+                if match and hasattr(layer, "impl") and hasattr(layer, "kv_cache"):
+                    layers[int(match.group(1))] = layer
+            if not layers:
+                raise RuntimeError("no attention layers in the forward context")
+            self._layers = layers
+        return self._layers
+
     def _load(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
-        layers = {}
-        for name, layer in forward_context.no_compile_layers.items():
-            match = _LAYER_INDEX.search(name)
-            if match and hasattr(layer, "impl") and hasattr(layer, "kv_cache"):
-                layers[int(match.group(1))] = layer
-        if not layers:
-            raise RuntimeError("no attention layers in the forward context")
+        layers = self._attention_layers(forward_context)
         sample_cache = _layer_cache(next(iter(layers.values())), forward_context)
         device, dtype = sample_cache.device, self._model_config.dtype
         entries = self._chunk_kv(spec, device, dtype)
+        self._mark("stage")
 
         key_parts, value_parts = [], []
         for chunk, entry in zip(spec.chunks, entries):
             lo, hi = max(spec.start, chunk.offset), min(spec.end, chunk.offset + len(chunk.token_ids))
-            if lo < hi:
+            if lo == chunk.offset and hi == chunk.offset + len(chunk.token_ids):
+                key_parts.append(entry.keys)
+                value_parts.append(entry.values)
+            elif lo < hi:
                 key_parts.append(entry.keys[:, lo - chunk.offset : hi - chunk.offset])
                 value_parts.append(entry.values[:, lo - chunk.offset : hi - chunk.offset])
         keys_pre = torch.cat(key_parts, dim=1)
@@ -269,21 +292,22 @@ class InferScaleConnector(KVConnectorBase_V1):
         count = spec.end - spec.start
         if keys_pre.shape[1] != count or keys_pre.shape[0] < len(layers):
             raise ValueError(f"KV covers {tuple(keys_pre.shape)}, the load needs {count} tokens x {len(layers)} layers")
-        if self._tables is None:
-            self._tables = RotaryTables.from_config(self._model_config.hf_config,
-                                                    self._model_config.max_model_len, device)
+        if self._rope is None:
+            tables = RotaryTables.from_config(self._model_config.hf_config, self._model_config.max_model_len, device)
+            self._rope = (tables.cos.to(dtype), tables.sin.to(dtype))
+        keys = apply_rope_span(keys_pre, spec.start, *self._rope)
         positions = torch.arange(spec.start, spec.end, device=device)
-        keys = apply_rope(keys_pre, positions, self._tables)
-        slots = torch.tensor(
-            [spec.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-             for p in range(spec.start, spec.end)], dtype=torch.int64, device=device)
+        block_table = torch.tensor(spec.block_ids, dtype=torch.int64).to(device, non_blocking=True)
+        slots = block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        self._mark("compose")
         for index, layer in layers.items():
-            layer_keys, layer_values = keys[index].contiguous(), values[index].contiguous()
+            layer_keys, layer_values = keys[index], values[index]
             expected = (count, layer.num_kv_heads, layer.head_size)
             if tuple(layer_keys.shape) != expected:
                 raise ValueError(f"layer {index}: KV shape {tuple(layer_keys.shape)} != {expected}")
             layer.impl.do_kv_cache_update(layer, layer_keys, layer_values, _layer_cache(layer, forward_context),
                                           slots)
+        self._mark("write")
 
 
 def _layer_cache(layer: Any, forward_context: Any) -> torch.Tensor:

@@ -53,3 +53,12 @@ def apply_rope(keys: torch.Tensor, positions: torch.Tensor, tables: RotaryTables
     sin = tables.sin[positions][:, None, :]
     rotated = keys.float() * cos + rotate_half(keys.float()) * sin
     return rotated.to(keys.dtype)
+
+
+def apply_rope_span(keys: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates keys [..., tokens, kv_heads, head_dim] to the contiguous positions start.. with cos/sin tables
+    already in the keys' dtype and device (the serving path: no gather, no dtype round trip)."""
+    count = keys.shape[-3]
+    cos = cos[start : start + count, None, :]
+    sin = sin[start : start + count, None, :]
+    return torch.addcmul(keys * cos, rotate_half(keys), sin)
