@@ -54,6 +54,7 @@ class KvPipeline:
     def __init__(self, facts: FactStore, kv: TieredKvStore) -> None:
         self.facts = facts
         self.kv = kv
+        self._announced: set[str] = set()  # profiles known to the index (skip the write on the request path)
 
     @property
     def index(self):
@@ -64,7 +65,11 @@ class KvPipeline:
         queued. Returns facts queued."""
         if header_blob:
             await self._store_header(profile_id, header_blob)
-        if not await asyncio.to_thread(self.index.add_profile, profile_id, spec):
+        if profile_id in self._announced:
+            return 0
+        is_new = await asyncio.to_thread(self.index.add_profile, profile_id, spec)
+        self._announced.add(profile_id)
+        if not is_new:
             return 0
         versions = await self.facts.fact_versions()
         queued = await asyncio.to_thread(self.index.enqueue, [profile_id], versions)
@@ -169,8 +174,8 @@ class KvPipeline:
     async def entries(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
         """Stored KV of the current versions of `facts`; facts lacking it (and not queued) get queued."""
         entries = await asyncio.to_thread(self.index.entries, profile_id, user_id, [f.fact_id for f in facts])
-        current = {fid: e for fid, e in entries.items()
-                   if any(f.fact_id == fid and f.version == e.key.version for f in facts)}
+        versions = {f.fact_id: f.version for f in facts}
+        current = {fid: e for fid, e in entries.items() if versions[fid] == e.key.version}
         missing = [(user_id, f.fact_id, f.version) for f in facts if f.fact_id not in current
                    and self.index.job_version(profile_id, user_id, f.fact_id) != f.version]
         if missing:
