@@ -129,7 +129,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     base = rows[0]["facts_per_s"]
-    print(f"\n| variant | facts/s | vs w=0 | tokens through model |\n|---|---:|---:|---:|")
+    print("\n| variant | facts/s | vs w=0 | tokens through model |\n|---|---:|---:|---:|")
     for row in rows:
         print(f"| {row['variant']} | {row['facts_per_s']:.1f} | {row['facts_per_s'] / base:.2f}× | "
               f"{row['forward_tokens']} |")

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -165,7 +165,7 @@ def main() -> None:
                         question_index += args.requests
                         started = time.perf_counter()
                         with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-                            samples = list(pool.map(lambda job: one_request(
+                            samples = list(pool.map(lambda job, mode=mode, k=k: one_request(
                                 client, str(model_dir), job[0], job[1], mode, k, args.max_tokens), jobs))
                         progress.update(len(samples))
                         results[mode][str(k)] = summarize(samples, time.perf_counter() - started)

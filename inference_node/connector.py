@@ -35,7 +35,7 @@ from vllm.logger import init_logger
 from inference_node.node_cache import CachedKv, NodeKvCache
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
-from inferscale_kv.rope import RotaryTables, apply_rope_span
+from inferscale_kv.rope import RotaryTables, apply_rope
 from memory_service.kv_tiers import KvKey
 
 if TYPE_CHECKING:
@@ -138,11 +138,12 @@ class InferScaleConnector(KVConnectorBase_V1):
                 metadata.loads.append(_with_blocks(spec, new.block_ids[0]))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        legacy_resumed = getattr(cached, "resumed_from_preemption", None)  # vLLM releases before resumed_req_ids
         for index, req_id in enumerate(cached.req_ids):
             spec = self._pending.pop(req_id, None)
             if spec is None:
                 continue
-            is_resumed = req_id in resumed or bool(getattr(cached, "resumed_from_preemption", [False] * (index + 1))[index])
+            is_resumed = req_id in resumed or bool(legacy_resumed and legacy_resumed[index])
             new_block_ids = cached.new_block_ids[index]
             if is_resumed and new_block_ids is not None:
                 # A resumed request gets all of its blocks anew: its memory prefix is loaded again.
@@ -295,7 +296,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._rope is None:
             tables = RotaryTables.from_config(self._model_config.hf_config, self._model_config.max_model_len, device)
             self._rope = (tables.cos.to(dtype), tables.sin.to(dtype))
-        keys = apply_rope_span(keys_pre, spec.start, *self._rope)
+        keys = apply_rope(keys_pre, spec.start, *self._rope)
         positions = torch.arange(spec.start, spec.end, device=device)
         block_table = torch.tensor(spec.block_ids, dtype=torch.int64).to(device, non_blocking=True)
         slots = block_table[positions // self.block_size] * self.block_size + positions % self.block_size

@@ -47,17 +47,9 @@ def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat((-tensor[..., half:], tensor[..., :half]), dim=-1)
 
 
-def apply_rope(keys: torch.Tensor, positions: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
-    """Rotates pre-RoPE keys [..., tokens, kv_heads, head_dim] to `positions` [tokens]; computes in fp32."""
-    cos = tables.cos[positions][:, None, :]
-    sin = tables.sin[positions][:, None, :]
-    rotated = keys.float() * cos + rotate_half(keys.float()) * sin
-    return rotated.to(keys.dtype)
-
-
-def apply_rope_span(keys: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates keys [..., tokens, kv_heads, head_dim] to the contiguous positions start.. with cos/sin tables
-    already in the keys' dtype and device (the serving path: no gather, no dtype round trip)."""
+def apply_rope(keys: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pre-RoPE keys [..., tokens, kv_heads, head_dim] to the contiguous positions start, start+1, ...
+    `cos`/`sin` are a RotaryTables' tables, already in the keys' dtype and on their device."""
     count = keys.shape[-3]
     cos = cos[start : start + count, None, :]
     sin = sin[start : start + count, None, :]

@@ -9,7 +9,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.config import ServiceConfig
-from memory_service.metrics import ServiceMetrics
 from memory_service.servicer import MemoryServicer
 from memory_service.launcher import free_port
 

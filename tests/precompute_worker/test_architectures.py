@@ -43,8 +43,8 @@ def test_rotated_stored_keys_match_plain_prefill(architecture: str) -> None:
                                                                                len(context))])])
     with torch.no_grad():
         cache = model(torch.tensor([context + fact]), use_cache=True).past_key_values
-    rotated = apply_rope(encoded.keys, torch.arange(len(context), len(context) + len(fact)),
-                         RotaryTables.from_model(model, 128))
+    tables = RotaryTables.from_model(model, 128)
+    rotated = apply_rope(encoded.keys, len(context), tables.cos, tables.sin)
     for index, layer in enumerate(cache.layers):
         assert (rotated[index] - layer.keys[0].transpose(0, 1)[len(context):]).abs().max() <= 1e-4
         assert (encoded.values[index] - layer.values[0].transpose(0, 1)[len(context):]).abs().max() <= 1e-4

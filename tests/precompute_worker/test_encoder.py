@@ -33,8 +33,7 @@ def _assert_matches_plain_forward(model, tokenizer, context_ids: list[int], fact
     (encoded,) = FactEncoder(model).encode([EncodingGroup(context_ids, [FactSpec(FactKey("u", "f", 1), fact_ids,
                                                                                    len(context_ids))])])
     tables = RotaryTables.from_model(model, 512)
-    positions = torch.arange(len(context_ids), len(context_ids) + len(fact_ids))
-    rotated = apply_rope(encoded.keys, positions, tables)
+    rotated = apply_rope(encoded.keys, len(context_ids), tables.cos, tables.sin)
     plain_keys, plain_values = _plain_forward_kv(model, context_ids + fact_ids)
     assert (rotated - plain_keys[:, len(context_ids):]).abs().max() <= TOLERANCE
     assert (encoded.values - plain_values[:, len(context_ids):]).abs().max() <= TOLERANCE
@@ -76,7 +75,7 @@ def test_keys_rotated_to_a_later_position_match_a_shifted_encoding(tiny_llama_di
     (at_zero,) = FactEncoder(model).encode([EncodingGroup([], [FactSpec(FactKey("u", "f", 1), fact_ids, 0)])])
     tables = RotaryTables.from_model(model, 512)
     shift = 137
-    layer0_rotated = apply_rope(at_zero.keys[0], torch.arange(shift, shift + len(fact_ids)), tables)
+    layer0_rotated = apply_rope(at_zero.keys[0], shift, tables.cos, tables.sin)
     with torch.no_grad():
         embedded = model.model.embed_tokens(torch.tensor([fact_ids]))
         normed = model.model.layers[0].input_layernorm(embedded)

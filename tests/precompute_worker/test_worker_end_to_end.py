@@ -75,8 +75,8 @@ def test_kv_through_worker_and_service_reproduces_plain_prefill(memory_service, 
     header = memory_header_ids(tokenizer)
     with torch.no_grad():
         cache = model(torch.tensor([header + list(fact.token_ids)]), use_cache=True).past_key_values
-    positions = torch.arange(len(header), len(header) + len(fact.token_ids))
-    rotated = apply_rope(kv.keys, positions, RotaryTables.from_model(model, 256))
+    tables = RotaryTables.from_model(model, 256)
+    rotated = apply_rope(kv.keys, len(header), tables.cos, tables.sin)
     for layer_index, layer in enumerate(cache.layers):
         plain_keys = layer.keys[0].transpose(0, 1)[len(header):]
         plain_values = layer.values[0].transpose(0, 1)[len(header):]
