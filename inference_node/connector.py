@@ -76,18 +76,24 @@ class InferScaleConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
-def provable_prefix(prompt_token_ids: list[int], params: dict | None, profile_id: str) -> tuple[int, list[ChunkLoad]]:
-    """Length of the prompt prefix whose KV the plan can supply, and the chunks covering it."""
-    plan = (params or {}).get(PARAMS_KEY)
-    if not plan or plan.get("profile_id") != profile_id:
+def provable_prefix(prompt_token_ids: list[int], params: Any, profile_id: str) -> tuple[int, list[ChunkLoad]]:
+    """Length of the prompt prefix whose KV the plan can supply, and the chunks covering it.
+
+    Runs in the scheduler: a malformed plan claims nothing, it never raises.
+    """
+    try:
+        plan = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if not isinstance(plan, dict) or plan.get("profile_id") != profile_id or not plan.get("user_id"):
+            return 0, []
+        offset, chunks = 0, []
+        for chunk in plan.get("chunks", []):
+            token_ids = chunk["token_ids"]
+            if not token_ids or prompt_token_ids[offset : offset + len(token_ids)] != token_ids:
+                break
+            chunks.append(ChunkLoad(str(chunk["fact_id"]), int(chunk["version"]), offset, tuple(token_ids)))
+            offset += len(token_ids)
+    except (TypeError, KeyError, ValueError, AttributeError):
         return 0, []
-    offset, chunks = 0, []
-    for chunk in plan.get("chunks", []):
-        token_ids = chunk["token_ids"]
-        if not token_ids or prompt_token_ids[offset : offset + len(token_ids)] != token_ids:
-            break
-        chunks.append(ChunkLoad(chunk["fact_id"], int(chunk["version"]), offset, tuple(token_ids)))
-        offset += len(token_ids)
     if not chunks or chunks[0].fact_id != HEADER_CHUNK:
         return 0, []
     return min(offset, len(prompt_token_ids) - 1), chunks

@@ -106,8 +106,13 @@ class MemoryMiddleware:
             payload = json.loads(body)
         except ValueError:
             payload = None
-        if not isinstance(payload, dict) or "memory" not in payload:
+        if not isinstance(payload, dict) or ("memory" not in payload and "kv_transfer_params" not in payload):
             await self.app(scope, _replay(body, receive), send)
+            return
+        # Load plans come only from this middleware: a client's own could name another user's facts.
+        payload.pop("kv_transfer_params", None)
+        if "memory" not in payload:
+            await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send)
             return
         try:
             user_id, top_k, mode = parse_memory(payload.pop("memory"), self.settings)
@@ -118,9 +123,6 @@ class MemoryMiddleware:
         summary: dict[str, Any] = {"mode": mode}
         if mode != "off":
             await self._add_memory(payload, scope["path"], user_id, top_k, mode, summary)
-        new_body = json.dumps(payload).encode()
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(new_body)).encode()))
         summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
 
         async def send_with_summary(message: Message) -> None:
@@ -128,7 +130,7 @@ class MemoryMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
             await send(message)
 
-        await self.app({**scope, "headers": headers}, _replay(new_body, receive), send_with_summary)
+        await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send_with_summary)
 
     async def _add_memory(self, payload: dict, path: str, user_id: str, top_k: int, mode: str,
                           summary: dict[str, Any]) -> None:
@@ -176,6 +178,13 @@ async def _read_body(receive: Callable) -> bytes:
         if not message.get("more_body"):
             break
     return b"".join(chunks)
+
+
+def _rewritten(scope: Scope, body: bytes, receive: Callable) -> tuple[Scope, Callable]:
+    """The scope (with a content-length that fits) and receive for replaying a rewritten body."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return {**scope, "headers": headers}, _replay(body, receive)
 
 
 def _replay(body: bytes, receive: Callable) -> Callable:

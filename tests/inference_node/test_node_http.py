@@ -192,6 +192,24 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
     assert results["kv"][1] > results["text"][1]
 
 
+def test_a_client_supplied_load_plan_is_dropped(node, node_stub, tiny_llama_dir) -> None:
+    """A client cannot inject KV of its choosing (e.g. another user's facts) by sending kv_transfer_params."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    header = memory_header_ids(tokenizer)
+    fact = fact_token_ids(tokenizer, "Alice keeps bees on the roof of her house.")
+    plan = {"inferscale": {"profile_id": tiny_profile(tiny_llama_dir).profile_id, "user_id": "one", "chunks": [
+        {"fact_id": "header", "version": 1, "token_ids": header},
+        {"fact_id": "f0", "version": 1, "token_ids": fact}]}}
+    prompt = memory_header_text(tokenizer) + "Alice keeps bees on the roof of her house.\n" + QUESTION
+    body = json.dumps({"model": str(node.model_dir), "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                       "kv_transfer_params": plan, "cache_salt": "attacker"})
+    request = urllib.request.Request(f"{node.base_url}/v1/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        usage = json.loads(response.read())["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_bad_memory_field_is_a_400_naming_the_field(node) -> None:
     body = json.dumps({"model": str(node.model_dir), "prompt": "x", "memory": {"user_id": "one", "mode": "fast"}})
     request = urllib.request.Request(f"{node.base_url}/v1/completions", data=body.encode(),
