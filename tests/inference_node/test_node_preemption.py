@@ -13,7 +13,9 @@ from tests.inference_node.conftest import complete, run_worker
 
 USERS = [f"busy-{i}" for i in range(8)]
 QUESTION = "def answer(question):"
-MAX_TOKENS = 48
+# Prompt ~190 tokens + 120 generated = 10 blocks of 32: one request fits the 15 usable blocks, two do not.
+MAX_TOKENS = 120
+BURSTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +40,29 @@ def _preemptions(node: InferenceNodeProcess) -> float:
     return 0.0
 
 
+def _assert_same_greedy_run(got, expected, label: str, tolerance: float = 1e-3) -> None:
+    """Same tokens with the same logprobs; batched float32 arithmetic may reorder sums, so the two runs may part at
+    a near-tie of the random model (both chosen tokens then have the same logprob), and are compared up to there."""
+    for index, (token, want) in enumerate(zip(got.tokens, expected.tokens)):
+        difference = abs(got.logprobs[index] - expected.logprobs[index])
+        assert difference <= tolerance, f"{label}: token {index}: logprob differs by {difference:.2e}"
+        if token != want:
+            break
+    assert got.tokens[:1] == expected.tokens[:1], f"{label}: first token differs"
+
+
 def test_every_preempted_injected_request_gives_its_unpreempted_answer(crowded_node) -> None:
     # One at a time, each request fits: no preemption. These are the right answers.
     expected = {user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS)
                 for user in USERS}
     before = _preemptions(crowded_node)
-    with ThreadPoolExecutor(max_workers=len(USERS)) as pool:
-        injected = dict(zip(USERS, pool.map(
-            lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS)))
+    for _ in range(BURSTS):  # every burst must be right; at least one must have preempted
+        with ThreadPoolExecutor(max_workers=len(USERS)) as pool:
+            injected = dict(zip(USERS, pool.map(
+                lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS)))
+        for user in USERS:
+            assert injected[user].summary["kv_facts"] == 6
+            _assert_same_greedy_run(injected[user], expected[user], user)
+        if _preemptions(crowded_node) > before:
+            break
     assert _preemptions(crowded_node) > before, "the load did not cause any preemption"
-    for user in USERS:
-        assert injected[user].summary["kv_facts"] == 6
-        assert injected[user].tokens == expected[user].tokens, user
-        assert max(abs(a - b) for a, b in zip(injected[user].logprobs, expected[user].logprobs)) <= 1e-3
