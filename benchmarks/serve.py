@@ -30,6 +30,7 @@ from inference_node.launcher import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.launcher import MemoryServiceProcess
+from precompute_worker.progress import wait_for_kv
 
 MODES = ("kv", "text", "off")
 
@@ -91,16 +92,6 @@ def ingest_users(stub, users: list[str], facts_per_user: int) -> None:
         stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[pb.FactInput(text=t) for t in facts]))
 
 
-def wait_for_kv(stub, total: int, worker: subprocess.Popen) -> None:
-    with tqdm(total=total, desc="precomputing fact KV", unit="fact") as progress:
-        while worker.poll() is None:
-            done = max((p.done for p in stub.GetStats(pb.GetStatsRequest()).profiles), default=0)
-            progress.update(done - progress.n)
-            time.sleep(1)
-        done = max((p.done for p in stub.GetStats(pb.GetStatsRequest()).profiles), default=0)
-        progress.update(done - progress.n)
-
-
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -150,6 +141,7 @@ def main() -> None:
                                            service.address, "--model", str(model_dir), "--exit-when-idle"],
                                           stdout=subprocess.DEVNULL, stderr=(work / "worker.log").open("wb"))
                 wait_for_kv(stub, len(users) * args.facts_per_user, worker)
+                worker.wait(timeout=600)
             print("starting the inference node ...", flush=True)
             node = InferenceNodeProcess(service.address, model_dir, work / "node", *args.node_flags.split()).start()
             from openai import OpenAI

@@ -16,29 +16,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from demo.conversation import load_conversation
 from demo.smollm2 import build_smollm2
 from inference_node.launcher import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.launcher import MemoryServiceProcess
+from precompute_worker.progress import wait_for_kv
 
 
 def step(message: str) -> None:
     print(f"\n==> {message}", flush=True)
-
-
-def wait_for_kv(stub, worker: subprocess.Popen, total: int) -> None:
-    with tqdm(total=total, desc="precomputing fact KV", unit="fact") as progress:
-        while True:
-            stats = stub.GetStats(pb.GetStatsRequest())
-            done = max((p.done for p in stats.profiles), default=0)
-            progress.update(done - progress.n)
-            if done >= total or worker.poll() is not None:
-                return
-            time.sleep(0.5)
 
 
 def ask(client, model: str, question: str, user_id: str, mode: str, top_k: int) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,14 @@ from memory_service.launcher import MemoryServiceProcess
 from tests.tiny_llama import build_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_worker(memory_service: MemoryServiceProcess, model_dir: Path, *extra: str) -> None:
+    """Runs `python -m precompute_worker` against the service until no work is left."""
+    result = subprocess.run(
+        [sys.executable, "-m", "precompute_worker", "--memory-service", memory_service.address, "--model",
+         str(model_dir), "--exit-when-idle", *extra], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +28,6 @@ class Completion:
     logprobs: list[float]
     usage: dict
     summary: dict
-
-
-def run_worker(memory_service: MemoryServiceProcess, model_dir: Path, *extra: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "precompute_worker", "--memory-service", memory_service.address, "--model",
-         str(model_dir), "--exit-when-idle", *extra], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def tiny_profile(model_dir: Path) -> pb.KvProfile:

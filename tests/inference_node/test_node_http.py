@@ -13,11 +13,11 @@ from inference_node.launcher import InferenceNodeProcess
 from inference_node.memory_prompt import plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
+from tests.conftest import run_worker
 from tests.inference_node.conftest import (
     NODE_FLAGS,
     complete,
     random_kv,
-    run_worker,
     tiny_profile,
     upload_custom_kv,
 )

@@ -9,7 +9,8 @@ import pytest
 
 from inference_node.launcher import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
-from tests.inference_node.conftest import complete, run_worker
+from tests.conftest import run_worker
+from tests.inference_node.conftest import complete
 
 USERS = [f"busy-{i}" for i in range(8)]
 QUESTION = "def answer(question):"

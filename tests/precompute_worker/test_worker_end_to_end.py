@@ -1,8 +1,5 @@
 """The real worker against the real service: every fact of every user gets exact, usable KV."""
 
-import subprocess
-import sys
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -13,17 +10,9 @@ from inferscale_kv.layout import fact_token_ids, memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.rope import RotaryTables, apply_rope
 from precompute_worker.worker import profile_message
+from tests.conftest import run_worker
 
 USERS = ("e2e-maya", "e2e-maya-twin")
-
-
-def _run_worker(memory_service, model_dir, *extra: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "precompute_worker", "--memory-service", memory_service.address, "--model",
-         str(model_dir), "--exit-when-idle", "--max-facts", "8", *extra],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def _retrieve_all(stub, user_id: str, profile: pb.KvProfile) -> list[pb.RetrievedFact]:
@@ -39,7 +28,7 @@ def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_servic
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     profile = profile_message(build_model_profile(smollm2_dir, tokenizer, "float32", context_window=5))
 
-    _run_worker(memory_service, smollm2_dir, "--context-window", "5")
+    run_worker(memory_service, smollm2_dir, "--max-facts", "8", "--context-window", "5")
 
     for user_id in USERS:
         facts = _retrieve_all(stub, user_id, profile)
@@ -65,7 +54,7 @@ def test_kv_through_worker_and_service_reproduces_plain_prefill(memory_service, 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     profile = profile_message(build_model_profile(tiny_llama_dir, tokenizer, "float32", context_window=0))
 
-    _run_worker(memory_service, tiny_llama_dir)
+    run_worker(memory_service, tiny_llama_dir, "--max-facts", "8")
 
     (fact,) = _retrieve_all(stub, user_id, profile)
     (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user_id,
