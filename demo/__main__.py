@@ -78,7 +78,7 @@ def main() -> None:
                     [sys.executable, "-m", "precompute_worker", "--memory-service", service.address, "--model",
                      str(model_dir), "--context-window", str(args.context_window), "--exit-when-idle"],
                     stdout=worker_log, stderr=subprocess.STDOUT)
-                wait_for_kv(stub, worker, len(conversation.facts))
+                wait_for_kv(stub, len(conversation.facts), worker)
                 worker.wait(timeout=600)
 
                 step("starting the inference node: vLLM (CPU) + InferScale connector + middleware (~1 min)")
