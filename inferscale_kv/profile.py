@@ -25,20 +25,18 @@ class KvProfileLike(Protocol):
     context_window: int
 
 
+# Every field that changes a fact's KV bytes, in the order the profile id hashes them.
+PROFILE_FIELDS = ("model", "model_hash", "kv_dtype", "tokenizer_hash", "header_hash", "recipe", "recipe_version",
+                  "context_window")
+
+
+def profile_fields(profile: KvProfileLike) -> dict:
+    return {name: getattr(profile, name) for name in PROFILE_FIELDS}
+
+
 def kv_profile_id(profile: KvProfileLike) -> str:
     """A content id of the profile's fields: equal ids mean interchangeable KV bytes."""
-    canonical = json.dumps(
-        [
-            profile.model,
-            profile.model_hash,
-            profile.kv_dtype,
-            profile.tokenizer_hash,
-            profile.header_hash,
-            profile.recipe,
-            profile.recipe_version,
-            profile.context_window,
-        ]
-    )
+    canonical = json.dumps([getattr(profile, name) for name in PROFILE_FIELDS])
     return "kvp-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 

@@ -23,6 +23,7 @@ from memory_service.kv_pipeline import HEADER_FACT, HEADER_VERSION, KvPipeline, 
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
 from memory_service.kv_tiers import KvKey
 from memory_service.models import IngestOutcome, StoredFact
+from inferscale_kv.profile import profile_fields
 from memory_service.profiles import validate_profile
 from memory_service.store import FactStore
 from memory_service.validation import (
@@ -71,12 +72,6 @@ def _fact_message(fact: StoredFact) -> pb.Fact:
     if fact.timestamp_us:
         message.timestamp.CopyFrom(_timestamp(fact.timestamp_us))
     return message
-
-
-def _profile_spec(profile: pb.KvProfile) -> dict:
-    return {field: getattr(profile, field) for field in (
-        "model", "model_hash", "kv_dtype", "tokenizer_hash", "header_hash", "recipe", "recipe_version",
-        "context_window")}
 
 
 def rpc(handler: Handler) -> Handler:
@@ -236,7 +231,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         top_k = resolve_top_k(request.top_k, self.limits)
         profile_id = validate_profile(request.profile)
         validate_id(request.node_id, "node_id")
-        await self._kv.announce(profile_id, _profile_spec(request.profile))
+        await self._kv.announce(profile_id, profile_fields(request.profile))
         results = await self._search(user_id, query, top_k)
         entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
         facts = []
@@ -321,7 +316,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def AnnounceProfile(self, request: pb.AnnounceProfileRequest, context) -> pb.AnnounceProfileResponse:
         profile_id = validate_profile(request.profile)
         validate_id(request.announcer_id, "announcer_id")
-        queued = await self._kv.announce(profile_id, _profile_spec(request.profile), request.header_kv)
+        queued = await self._kv.announce(profile_id, profile_fields(request.profile), request.header_kv)
         return pb.AnnounceProfileResponse(profile_id=profile_id, facts_queued=queued)
 
     @rpc
