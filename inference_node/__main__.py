@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device memory for cached fact KV")
     parser.add_argument("--memory-top-k", type=int, default=int(_env("memory_top_k", 20)),
                         help="facts per request when the request does not say")
+    parser.add_argument("--retrieve-timeout-s", type=float, default=float(_env("retrieve_timeout_s", 2.0)),
+                        help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
+    parser.add_argument("--fetch-timeout-s", type=float, default=float(_env("fetch_timeout_s", 10.0)),
+                        help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     return parser
 
@@ -56,7 +60,8 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
                                   args.context_window, args.model_name)
     settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
-                            default_top_k=args.memory_top_k)
+                            default_top_k=args.memory_top_k, retrieve_timeout_s=args.retrieve_timeout_s,
+                            fetch_timeout_s=args.fetch_timeout_s)
     transfer = {
         "kv_connector": "InferScaleConnector",
         "kv_connector_module_path": "inference_node.connector",

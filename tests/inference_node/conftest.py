@@ -18,7 +18,7 @@ from inferscale_kv.model_profile import build_model_profile
 from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.worker import profile_message
 
-NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0")
+NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--retrieve-timeout-s", "30")
 
 
 @dataclass

@@ -28,7 +28,9 @@ def crowded_node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factor
     # 16 blocks of 32 tokens: two of these requests fit at once, so growing ones preempt each other.
     process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("crowded"),
                                    "--dtype", "float32", "--max-model-len", "384", "--block-size", "32",
-                                   "--num-gpu-blocks-override", "16", "--max-num-seqs", "8").start()
+                                   "--num-gpu-blocks-override", "16", "--max-num-seqs", "8",
+                                   # 8 retrievals at once on a loaded 2-core box: this test is about preemption.
+                                   "--retrieve-timeout-s", "60").start()
     yield process
     process.stop()
 
@@ -62,7 +64,7 @@ def test_every_preempted_injected_request_gives_its_unpreempted_answer(crowded_n
             injected = dict(zip(USERS, pool.map(
                 lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS)))
         for user in USERS:
-            assert injected[user].summary["kv_facts"] == 6
+            assert injected[user].summary.get("kv_facts") == 6, f"{user}: {injected[user].summary}"
             _assert_same_greedy_run(injected[user], expected[user], user)
         if _preemptions(crowded_node) > before:
             break
