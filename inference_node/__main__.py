@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     parser.add_argument("--fetch-timeout-s", type=float, default=float(_env("fetch_timeout_s", 10.0)),
                         help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
+    parser.add_argument("--no-async-loads", action="store_true",
+                        help="fetch node-cache misses inside the engine step instead of while the request waits")
+    parser.add_argument("--load-stats-path", default=_env("load_stats_path", ""),
+                        help="benchmarks only: append per-load timings (JSON lines; synchronizes the device per load)")
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     return parser
 
@@ -61,7 +65,8 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
     settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
                             default_top_k=args.memory_top_k, retrieve_timeout_s=args.retrieve_timeout_s,
-                            fetch_timeout_s=args.fetch_timeout_s)
+                            fetch_timeout_s=args.fetch_timeout_s, async_loads=not args.no_async_loads,
+                            load_stats_path=args.load_stats_path)
     transfer = {
         "kv_connector": "InferScaleConnector",
         "kv_connector_module_path": "inference_node.connector",

@@ -8,19 +8,25 @@ Roles talk only through `InferScaleConnectorMetadata`:
   The method is cheap and keeps no state; it may be called any number of times per request.
   `update_state_after_alloc` records the load; `build_connector_meta` hands it to the workers exactly once,
   also when a preempted request resumes (then with all of its new block ids).
-- Worker: `start_load_kv` (synchronous, before the forward) takes each chunk's KV from the node cache (or
-  fetches it from the memory service), rotates keys to their final positions with the model's own rotary
-  tables, and writes them through each attention layer's own `do_kv_cache_update`. It never raises into the
-  engine: a failed load is reported by `get_block_ids_with_load_errors` and, with
-  kv_load_failure_policy="recompute", vLLM prefills those tokens itself.
+  A load is *synchronous* when the scheduler's residency hint says that every chunk is in the node cache
+  (written before this step's forward), else *asynchronous*: the request waits in WAITING_FOR_REMOTE_KVS
+  while a fetch thread streams the misses from the memory service, and is scheduled once `get_finished`
+  reports it (set `async_loads` off to fetch inline instead).
+- Worker: `start_load_kv` stages each load's chunks (node cache, else fetch: `staging.KvStager`), composes
+  the prefix (gather + RoPE at the final positions with the model's own tables: one fused Triton kernel on
+  CUDA, torch ops elsewhere: `compose.compose_prefix`) and writes it through each attention layer's own
+  `do_kv_cache_update`. Async loads are fetched on a thread and written in `get_finished` of a later step.
+  Nothing raises into the engine: a failed load is reported by `get_block_ids_with_load_errors` (for an async
+  load no later than the step that reports it finished) and, with kv_load_failure_policy="recompute", vLLM
+  prefills those tokens itself. Counts reach Prometheus through vLLM's connector stats (`connector_stats`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +38,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from inference_node.node_cache import CachedKv, NodeKvCache
+from inference_node.compose import ChunkSlice, compose_prefix
+from inference_node.connector_stats import ConnectorPromMetrics, LoadStats
+from inference_node.node_cache import CachedKv, NodeKvCache, ResidencyHint
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
-from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
-from inferscale_kv.rope import RotaryTables, apply_rope
-from memory_service.kv_tiers import KvKey
+from inference_node.staging import ChunkRef, KvStager, StagedChunks, chunk_key
+from inferscale_kv.rope import RotaryTables
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,17 +54,14 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-HEADER_USER = "_profile"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
-class ChunkLoad:
-    """One chunk of the memory prefix: the header or a fact, at prompt positions [offset, offset + len)."""
+class ChunkLoad(ChunkRef):
+    """One chunk of the memory prefix (the header or a fact) at prompt positions [offset, offset + len)."""
 
-    fact_id: str
-    version: int
     offset: int
-    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class LoadSpec:
     start: int  # first prompt position to write (tokens before it are in vLLM's prefix cache)
     end: int  # one past the last position to write
     block_ids: tuple[int, ...]
+    load_async: bool = False
 
 
 @dataclass
@@ -90,7 +95,7 @@ def provable_prefix(prompt_token_ids: list[int], params: Any, profile_id: str) -
             token_ids = chunk["token_ids"]
             if not token_ids or prompt_token_ids[offset : offset + len(token_ids)] != token_ids:
                 break
-            chunks.append(ChunkLoad(str(chunk["fact_id"]), int(chunk["version"]), offset, tuple(token_ids)))
+            chunks.append(ChunkLoad(str(chunk["fact_id"]), int(chunk["version"]), tuple(token_ids), offset))
             offset += len(token_ids)
     except (TypeError, KeyError, ValueError, AttributeError):
         return 0, []
@@ -106,38 +111,53 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.settings = NodeSettings.from_mapping(extra)
         self.profile_id = self.settings.profile_id
         self.block_size = vllm_config.cache_config.block_size
+        self._model_config = vllm_config.model_config
         # Scheduler side: loads decided by update_state_after_alloc, not yet sent to the workers.
         self._pending: dict[str, LoadSpec] = {}
+        self._resident = ResidencyHint(self.settings.node_cache_mb << 20, _bytes_per_token(self._model_config))
         # Worker side.
-        self._model_config = vllm_config.model_config
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin in the model dtype on the device
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin on the device
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache(self.settings.node_cache_mb << 20)
+        self._stager = KvStager(self.settings, self._cache, self._model_config.hf_config)
+        self._fetcher: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, tuple[LoadSpec, Future]] = {}
         self._failed_blocks: set[int] = set()
+        self._stats = LoadStats()
         self._last_misses = 0
         self._phase_ends: dict[str, float] = {}
-        self._stub = None
-        self._stub_lock = threading.Lock()
 
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        end, _ = provable_prefix(request.prompt_token_ids or [], request.kv_transfer_params, self.profile_id)
-        return max(0, end - num_computed_tokens), False
+        """Side-effect free; the same answer for the same request within a scheduling step."""
+        end, chunks = provable_prefix(request.prompt_token_ids or [], request.kv_transfer_params, self.profile_id)
+        claim = max(0, end - num_computed_tokens)
+        return claim, claim > 0 and self._loads_async(request, chunks)
+
+    def _loads_async(self, request: Request, chunks: list[ChunkLoad]) -> bool:
+        if not self.settings.async_loads:
+            return False
+        user_id = request.kv_transfer_params[PARAMS_KEY]["user_id"]
+        return any(chunk_key(self.profile_id, user_id, chunk) not in self._resident for chunk in chunks)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             self._pending.pop(request.request_id, None)
             return
         end, chunks = provable_prefix(request.prompt_token_ids or [], request.kv_transfer_params, self.profile_id)
-        plan = request.kv_transfer_params[PARAMS_KEY]
+        load_async = self._loads_async(request, chunks)
+        # An async request is not scheduled this step: its blocks are known only here.
+        block_ids = tuple(blocks.get_block_ids()[0]) if load_async else ()
         self._pending[request.request_id] = LoadSpec(
-            request_id=request.request_id, profile_id=self.profile_id, user_id=plan["user_id"],
-            chunks=tuple(chunks), start=end - num_external_tokens, end=end, block_ids=(),
-        )
+            request_id=request.request_id, profile_id=self.profile_id,
+            user_id=request.kv_transfer_params[PARAMS_KEY]["user_id"], chunks=tuple(chunks),
+            start=end - num_external_tokens, end=end, block_ids=block_ids, load_async=load_async)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         metadata = InferScaleConnectorMetadata()
+        for req_id in [r for r, spec in self._pending.items() if spec.load_async]:
+            metadata.loads.append(self._pending.pop(req_id))
         for new in scheduler_output.scheduled_new_reqs:
             spec = self._pending.pop(new.req_id, None)
             if spec is not None:
@@ -154,11 +174,24 @@ class InferScaleConnector(KVConnectorBase_V1):
             if is_resumed and new_block_ids is not None:
                 # A resumed request gets all of its blocks anew: its memory prefix is loaded again.
                 metadata.loads.append(_with_blocks(spec, new_block_ids[0]))
+        # After every decision of this step, so that the hint is constant while the step schedules.
+        for spec in metadata.loads:
+            for chunk in spec.chunks:
+                self._resident.record(chunk_key(spec.profile_id, spec.user_id, chunk), len(chunk.token_ids))
         return metadata
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
         return False, None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LoadStats | None:
+        return LoadStats(data=dict(data)) if data is not None else LoadStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> ConnectorPromMetrics:
+        return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker side
 
@@ -166,21 +199,56 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._kv_caches = kv_caches
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Writes every synchronous load before this step's forward and starts the fetch of every async one.
+        Never raises: a failure marks the load's blocks for recompute."""
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, InferScaleConnectorMetadata):
             return
         for spec in metadata.loads:
+            self._stats.add("loads")
+            if spec.load_async:
+                self._start_async(spec, forward_context)
+                continue
             try:
                 if self.settings.load_stats_path and torch.cuda.is_available():
                     torch.cuda.synchronize()  # benchmark mode: time this load's work alone
                 started = time.perf_counter()
-                self._load(spec, forward_context)
+                layers = self._attention_layers(forward_context)
+                device = _layer_cache(next(iter(layers.values()))).device
+                staged = self._count(self._stage(spec, device))
+                self._mark("stage")
+                self._write(spec, staged, layers)
                 if self.settings.load_stats_path:
                     self._record_load(spec, started)
             except Exception:  # noqa: BLE001 - never into the engine: report, and vLLM recomputes
-                logger.exception("InferScale: KV load failed for request %s; it will be recomputed", spec.request_id)
-                first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
-                self._failed_blocks.update(spec.block_ids[first : last + 1])
+                self._fail(spec)
+
+    def _start_async(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
+        try:
+            layers = self._attention_layers(forward_context)
+            device = _layer_cache(next(iter(layers.values()))).device
+            if self._fetcher is None:
+                self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferscale-fetch")
+            compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            self._inflight[spec.request_id] = (spec, self._fetcher.submit(self._stage, spec, device, compute_stream))
+        except Exception as exc:  # noqa: BLE001 - reported as a failed load in get_finished
+            self._inflight[spec.request_id] = (spec, _failed_future(exc))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Writes the async loads whose fetch is done and reports them (failed ones too, with their blocks in
+        get_block_ids_with_load_errors of this same step)."""
+        done = set()
+        for req_id, (spec, future) in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[req_id]
+            done.add(req_id)
+            self._stats.add("async_loads")
+            try:
+                self._write(spec, self._count(future.result()), self._layers)
+            except Exception:  # noqa: BLE001
+                self._fail(spec)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -195,7 +263,23 @@ class InferScaleConnector(KVConnectorBase_V1):
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def get_kv_connector_stats(self) -> LoadStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, LoadStats()
+        return stats
+
+    def shutdown(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
+
     # ------------------------------------------------------------------ loading
+
+    def _fail(self, spec: LoadSpec) -> None:
+        logger.exception("InferScale: KV load failed for request %s; it will be recomputed", spec.request_id)
+        self._stats.add("load_failures")
+        first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
+        self._failed_blocks.update(spec.block_ids[first : last + 1])
 
     def _mark(self, phase: str) -> None:
         """Benchmark mode only: the time at the end of a load phase (after the device finished it)."""
@@ -213,58 +297,20 @@ class InferScaleConnector(KVConnectorBase_V1):
         with open(self.settings.load_stats_path, "a") as stats_file:
             stats_file.write(json.dumps(record) + "\n")
 
-    def _memory_stub(self):
-        with self._stub_lock:
-            if self._stub is None:
-                import grpc
+    def _stage(self, spec: LoadSpec, device: torch.device, compute_stream=None) -> StagedChunks:
+        """The chunks' KV in the node cache (fetching misses); runs on the engine thread or a fetch thread."""
+        if device.type == "cuda" and compute_stream is None:
+            compute_stream = torch.cuda.current_stream(device)
+        return self._stager.stage(spec.profile_id, spec.user_id, spec.chunks, device, self._model_config.dtype,
+                                  compute_stream)
 
-                from inferscale.v1 import memory_pb2_grpc
-
-                channel = grpc.insecure_channel(self.settings.memory_service,
-                                                options=[("grpc.max_receive_message_length", 256 << 20)])
-                self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
-            return self._stub
-
-    def _key(self, spec: LoadSpec, chunk: ChunkLoad) -> KvKey:
-        if chunk.fact_id == HEADER_CHUNK:
-            return KvKey(spec.profile_id, HEADER_USER, HEADER_CHUNK, 1)
-        return KvKey(spec.profile_id, spec.user_id, chunk.fact_id, chunk.version)
-
-    def _synthetic(self, chunk: ChunkLoad, device: torch.device, dtype: torch.dtype) -> CachedKv:
-        config = self._model_config.hf_config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (config.num_hidden_layers, len(chunk.token_ids), config.num_key_value_heads, head_dim)
-        return CachedKv(torch.randn(shape, device=device, dtype=dtype) * 0.1,
-                        torch.randn(shape, device=device, dtype=dtype) * 0.1, chunk.token_ids)
-
-    def _chunk_kv(self, spec: LoadSpec, device: torch.device, dtype: torch.dtype) -> list[CachedKv]:
-        keys = [self._key(spec, chunk) for chunk in spec.chunks]
-        entries = {key: self._cache.get(key) for key in keys}
-        missing = [(key, chunk) for key, chunk in zip(keys, spec.chunks) if entries[key] is None]
-        self._last_misses = len(missing)
-        if missing and self.settings.synthetic_kv:
-            for key, chunk in missing:
-                entries[key] = self._synthetic(chunk, device, dtype)
-                self._cache.put(key, entries[key], protected=set(keys))
-        elif missing:
-            from inferscale.v1 import memory_pb2 as pb
-
-            request = pb.FetchKvRequest(
-                profile_id=spec.profile_id, user_id=spec.user_id,
-                include_header=any(chunk.fact_id == HEADER_CHUNK for _, chunk in missing),
-                facts=[pb.FactRef(fact_id=c.fact_id, version=c.version) for _, c in missing
-                       if c.fact_id != HEADER_CHUNK])
-            replies = list(self._memory_stub().FetchKv(request, timeout=self.settings.fetch_timeout_s))
-            for (key, chunk), reply in zip(missing, replies):
-                if not reply.blob:
-                    raise LookupError(f"memory service has no KV for {key}")
-                kv = decode_kv_blob(reply.blob, dtype)
-                if kv.header.token_ids != chunk.token_ids:
-                    raise CorruptKvBlob(f"{key}: stored token ids differ from the prompt's")
-                entry = CachedKv(kv.keys.to(device), kv.values.to(device), kv.header.token_ids)
-                self._cache.put(key, entry, protected=set(keys))
-                entries[key] = entry
-        return [entries[key] for key in keys]
+    def _count(self, staged: StagedChunks) -> list[CachedKv]:
+        """Records a staging's lookups (engine thread only: the stats object is not shared with fetch threads)."""
+        self._last_misses = staged.lookups - staged.hits
+        self._stats.add("node_cache_lookups", staged.lookups)
+        self._stats.add("node_cache_hits", staged.hits)
+        self._stats.add("facts_fetched", staged.lookups - staged.hits)
+        return staged.entries
 
     def _attention_layers(self, forward_context: ForwardContext) -> dict[int, Any]:
         if self._layers is None:
@@ -275,55 +321,60 @@ class InferScaleConnector(KVConnectorBase_V1):
                     layers[int(match.group(1))] = layer
             if not layers:
                 raise RuntimeError("no attention layers in the forward context")
-            self._layers = layers
+            self._layers = dict(sorted(layers.items()))
         return self._layers
 
-    def _load(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
-        layers = self._attention_layers(forward_context)
-        sample_cache = _layer_cache(next(iter(layers.values())), forward_context)
-        device, dtype = sample_cache.device, self._model_config.dtype
-        entries = self._chunk_kv(spec, device, dtype)
-        self._mark("stage")
-
-        key_parts, value_parts = [], []
+    def _write(self, spec: LoadSpec, entries: list[CachedKv], layers: dict[int, Any]) -> None:
+        """Composes the load's span [start, end) and writes it into the request's blocks (engine thread only)."""
+        device = _layer_cache(next(iter(layers.values()))).device
+        slices = []
         for chunk, entry in zip(spec.chunks, entries):
             lo, hi = max(spec.start, chunk.offset), min(spec.end, chunk.offset + len(chunk.token_ids))
-            if lo == chunk.offset and hi == chunk.offset + len(chunk.token_ids):
-                key_parts.append(entry.keys)
-                value_parts.append(entry.values)
-            elif lo < hi:
-                key_parts.append(entry.keys[:, lo - chunk.offset : hi - chunk.offset])
-                value_parts.append(entry.values[:, lo - chunk.offset : hi - chunk.offset])
-        keys_pre = torch.cat(key_parts, dim=1)
-        values = torch.cat(value_parts, dim=1)
+            if lo < hi:
+                slices.append(ChunkSlice(entry.keys, entry.values, lo - chunk.offset, hi - chunk.offset))
         count = spec.end - spec.start
-        if keys_pre.shape[1] != count or keys_pre.shape[0] < len(layers):
-            raise ValueError(f"KV covers {tuple(keys_pre.shape)}, the load needs {count} tokens x {len(layers)} layers")
+        if sum(s.end - s.begin for s in slices) != count or min(e.keys.shape[0] for e in entries) < len(layers):
+            raise ValueError(f"KV of {len(entries)} chunks does not cover {count} tokens x {len(layers)} layers")
         if self._rope is None:
             tables = RotaryTables.from_config(self._model_config.hf_config, self._model_config.max_model_len, device)
-            self._rope = (tables.cos.to(dtype), tables.sin.to(dtype))
-        keys = apply_rope(keys_pre, spec.start, *self._rope)
-        positions = torch.arange(spec.start, spec.end, device=device)
-        block_table = torch.tensor(spec.block_ids, dtype=torch.int64).to(device, non_blocking=True)
+            self._rope = (tables.cos.float().contiguous(), tables.sin.float().contiguous())
+        keys, values = compose_prefix(slices, spec.start, *self._rope, len(layers))
+        positions = torch.arange(spec.start, spec.end)
+        block_table = torch.tensor(spec.block_ids, dtype=torch.int64)
         slots = block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        if device.type == "cuda":
+            slots = slots.pin_memory()
+        slots = slots.to(device, non_blocking=True)
         self._mark("compose")
         for index, layer in layers.items():
-            layer_keys, layer_values = keys[index], values[index]
             expected = (count, layer.num_kv_heads, layer.head_size)
-            if tuple(layer_keys.shape) != expected:
-                raise ValueError(f"layer {index}: KV shape {tuple(layer_keys.shape)} != {expected}")
-            layer.impl.do_kv_cache_update(layer, layer_keys, layer_values, _layer_cache(layer, forward_context),
-                                          slots)
+            if tuple(keys[index].shape) != expected:
+                raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
+            layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
+        self._stats.add("tokens_loaded", count)
         self._mark("write")
 
 
-def _layer_cache(layer: Any, forward_context: Any) -> torch.Tensor:
+def _bytes_per_token(model_config: Any) -> int:
+    config = model_config.hf_config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = _DTYPE_BYTES.get(str(model_config.dtype).removeprefix("torch."), 2)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+
+
+def _failed_future(error: Exception) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
+
+
+def _layer_cache(layer: Any) -> torch.Tensor:
     cache = layer.kv_cache
     if isinstance(cache, (list, tuple)):
-        cache = cache[getattr(forward_context, "virtual_engine", 0)]
+        cache = cache[0]  # one virtual engine: InferScale does not run with pipeline parallelism
     return cache
 
 
 def _with_blocks(spec: LoadSpec, block_ids: list[int]) -> LoadSpec:
     return LoadSpec(spec.request_id, spec.profile_id, spec.user_id, spec.chunks, spec.start, spec.end,
-                    tuple(block_ids))
+                    tuple(block_ids), spec.load_async)

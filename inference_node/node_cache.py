@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -59,3 +60,29 @@ class NodeKvCache:
     @property
     def bytes_used(self) -> int:
         return self._bytes
+
+
+class ResidencyHint:
+    """The scheduler's guess of what the workers' node caches hold: the chunks it sent to be loaded lately, LRU
+    within the same byte budget. A hint only: a wrong "resident" costs a synchronous fetch, a wrong "absent" an
+    asynchronous one; neither changes what is loaded."""
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.bytes_per_token = max(1, bytes_per_token)
+        self._sizes: OrderedDict[KvKey, int] = OrderedDict()
+        self._bytes = 0
+
+    def __contains__(self, key: KvKey) -> bool:
+        return key in self._sizes
+
+    def record(self, key: KvKey, num_tokens: int) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+            return
+        size = num_tokens * self.bytes_per_token
+        self._sizes[key] = size
+        self._bytes += size
+        while self._bytes > self.budget_bytes and self._sizes:
+            _, evicted = self._sizes.popitem(last=False)
+            self._bytes -= evicted

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, encoder_factory=None) -> int:
+    """Runs the worker; `encoder_factory(args, model_dir)` replaces the model's own encoder (speed runs only)."""
     args = build_parser().parse_args(argv)
     if not args.model or not Path(args.model).is_dir():
         print(f"precompute_worker: --model: {args.model!r} is not a model folder", file=sys.stderr)
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     profile = build_model_profile(model_dir, tokenizer, args.kv_dtype or args.dtype, args.context_window,
                                   args.model_name)
     log.info("config", **vars(args), profile_id=profile.profile_id)
-    encoder = FactEncoder.from_pretrained(model_dir, args.dtype, args.device, args.max_tokens_per_forward)
+    if encoder_factory is not None:
+        encoder = encoder_factory(args, model_dir)
+    else:
+        encoder = FactEncoder.from_pretrained(model_dir, args.dtype, args.device, args.max_tokens_per_forward)
     stopping = False
 
     def request_stop(*_):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -33,6 +34,7 @@ def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
         "many": K_FACTS,
         "vanishing": ["Bob repairs old radios in his garage."],
         "openai": ["Carol collects maps of imaginary islands."],
+        "cold": ["Dana restores sailing boats in winter."],
     }
     for user, texts in ingest.items():
         node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
@@ -154,7 +156,39 @@ def test_token_mismatch_is_not_claimed_and_the_fact_is_prefilled(node) -> None:
     assert kv.usage["prompt_tokens_details"]["cached_tokens"] == header_only
 
 
+def _connector_count(node, name: str) -> float:
+    """The node's inferscale_connector_<name>_total, summed over its label sets."""
+    with urllib.request.urlopen(f"{node.base_url}/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(f"inferscale_connector_{name}_total{{"))
+
+
+def _wait_for_count(node, name: str, at_least: float, timeout_s: float = 30.0) -> float:
+    """Connector counts reach /metrics with the engine's step stats, a moment after the response."""
+    deadline = time.monotonic() + timeout_s
+    while (count := _connector_count(node, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return count
+
+
+def test_a_node_cache_miss_loads_async_and_the_repeat_loads_from_the_node_cache(node) -> None:
+    async_before, hits_before = _connector_count(node, "async_loads"), _connector_count(node, "node_cache_hits")
+    text = complete(node, QUESTION, {"user_id": "cold", "mode": "text"})
+    first = complete(node, QUESTION, {"user_id": "cold", "mode": "kv"})
+    assert _wait_for_count(node, "async_loads", async_before + 1) == async_before + 1
+    hits_after_first = _wait_for_count(node, "node_cache_hits", hits_before)
+    second = complete(node, QUESTION, {"user_id": "cold", "mode": "kv"})
+    assert _wait_for_count(node, "node_cache_hits", hits_after_first + 2) >= hits_after_first + 2  # header + fact
+    assert _connector_count(node, "async_loads") == async_before + 1  # the repeat loaded synchronously
+    for kv in (first, second):
+        assert kv.summary["kv_facts"] == 1
+        assert kv.usage["prompt_tokens_details"]["cached_tokens"] == kv.summary["injectable_tokens"]
+        _assert_same_generation(kv, text)
+
+
 def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_service) -> None:
+    failures_before = _connector_count(node, "load_failures")
     for blob in (node_memory_service.data_dir / "kv" / "blobs").rglob("*.kv"):
         if blob.parent.name == "vanishing":
             blob.write_bytes(blob.read_bytes()[:-5] + b"XXXXX")
@@ -162,6 +196,8 @@ def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_serv
     text = complete(node, QUESTION, {"user_id": "vanishing", "mode": "text"})
     assert kv.summary["kv_facts"] == 1  # the service still listed it as ready
     _assert_same_generation(kv, text)
+    # Counted; the async load fails, the re-admitted request tries once more synchronously, then it is prefilled.
+    assert _wait_for_count(node, "load_failures", failures_before + 1) >= failures_before + 1
     assert complete(node, QUESTION, {"user_id": "one", "mode": "kv"}).summary["kv_facts"] == 1  # engine alive
 
 

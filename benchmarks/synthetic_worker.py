@@ -1,0 +1,47 @@
+"""`python -m benchmarks.synthetic_worker [precompute_worker flags]`: a precompute worker whose fact KV is random.
+
+Speed runs only (dummy-weight models, said so in every report that uses it): everything but the model's forward
+is the real worker (lease, grouping, token ids, blob encoding, upload), and the KV has the model's shape.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from precompute_worker.__main__ import main
+from precompute_worker.encoder import DTYPES, EncodedFact, EncodingGroup
+
+
+class SyntheticFactEncoder:
+    """The FactEncoder interface, with random pre-RoPE keys and values of the model's shape."""
+
+    def __init__(self, config, dtype: torch.dtype, max_tokens_per_forward: int, seed: int = 0) -> None:
+        self.max_tokens_per_forward = max_tokens_per_forward
+        self._dtype = dtype
+        self._generator = torch.Generator().manual_seed(seed)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+
+    def encode(self, groups: Sequence[EncodingGroup]) -> list[EncodedFact]:
+        layers, heads, head_dim = self._shape
+        encoded = []
+        for group in groups:
+            for spec in group.facts:
+                shape = (layers, len(spec.token_ids), heads, head_dim)
+                keys, values = (torch.randn(shape, generator=self._generator).mul_(0.5).to(self._dtype)
+                                for _ in range(2))
+                encoded.append(EncodedFact(spec, keys, values))
+        return encoded
+
+
+def synthetic_encoder(args, model_dir) -> SyntheticFactEncoder:
+    from transformers import AutoConfig
+
+    return SyntheticFactEncoder(AutoConfig.from_pretrained(model_dir), DTYPES[args.dtype], args.max_tokens_per_forward)
+
+
+if __name__ == "__main__":
+    sys.exit(main(encoder_factory=synthetic_encoder))

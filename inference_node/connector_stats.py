@@ -1,0 +1,66 @@
+"""The connector's telemetry, carried by vLLM's own channel: worker-side `LoadStats` travel with each model-runner
+output to the scheduler, are summed across workers, and reach the API server, where `ConnectorPromMetrics`
+turns them into Prometheus counters on vLLM's /metrics (counters with their denominators: hits and lookups,
+failures and loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = {
+    "loads": "memory-prefix loads started (a request's header + facts)",
+    "async_loads": "loads that fetched from the memory service off the engine's step (async path)",
+    "load_failures": "loads that failed and were left to vLLM to recompute",
+    "tokens_loaded": "prompt tokens written from fact KV into the paged cache",
+    "node_cache_lookups": "chunk lookups in the node's device-resident fact-KV cache",
+    "node_cache_hits": "chunk lookups served by the node cache",
+    "facts_fetched": "chunks fetched from the memory service (node-cache misses)",
+}
+
+
+@dataclass
+class LoadStats(KVConnectorStats):
+    """Counts since the last report; `data` maps each name of COUNTERS to an int."""
+
+    data: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + amount
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> LoadStats:
+        for name, amount in other.data.items():
+            if name in COUNTERS:
+                self.add(name, int(amount))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(self.data.get(name, 0)) for name in COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in COUNTERS)
+
+
+class ConnectorPromMetrics(KVConnectorPromMetrics):
+    """`inferscale_connector_<name>_total` counters, one per vLLM engine label set."""
+
+    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, documentation in COUNTERS.items():
+            counter = self._counter_cls(name=f"inferscale_connector_{name}", documentation=documentation,
+                                        labelnames=labelnames)
+            self._counters[name] = {engine: counter.labels(*values)
+                                    for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, amount in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and amount and engine_idx in per_engine:
+                per_engine[engine_idx].inc(amount)
