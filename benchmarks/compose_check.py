@@ -58,8 +58,8 @@ def main() -> None:
         assert torch.equal(fused[1], plain[1]), "values differ"
         fused_error = (fused[0].float() - reference[0]).abs().max().item()
         plain_error = (plain[0].float() - reference[0]).abs().max().item()
-        fused_ms = median_ms(lambda: compose_prefix(slices, start, cos, sin, layers, fused=True))
-        plain_ms = median_ms(lambda: compose_prefix(slices, start, cos, sin, layers, fused=False))
+        fused_ms = median_ms(lambda slices=slices: compose_prefix(slices, start, cos, sin, layers, fused=True))
+        plain_ms = median_ms(lambda slices=slices: compose_prefix(slices, start, cos, sin, layers, fused=False))
         print(f"{k:>4}{sum(lengths):>8}{fused_error:>16.3e}{plain_error:>16.3e}{fused_ms:>10.3f}{plain_ms:>10.3f}")
 
 

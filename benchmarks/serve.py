@@ -135,12 +135,12 @@ def hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
     return (after.get("node_cache_hits", 0.0) - before.get("node_cache_hits", 0.0)) / lookups if lookups else None
 
 
-def connector_phases(stats_path: Path, min_chunks: int) -> dict | None:
-    """p50 of the connector's per-load phases over warm loads (every chunk in the node cache) of >= min_chunks."""
+def connector_phases(stats_path: Path, chunks: int) -> dict | None:
+    """p50 of the connector's per-load phases over warm loads (every chunk in the node cache) of `chunks` chunks."""
     if not stats_path.exists():
         return None
     loads = [json.loads(line) for line in stats_path.read_text().splitlines()]
-    warm = [load for load in loads if load["chunks"] >= min_chunks and not load["node_cache_misses"]]
+    warm = [load for load in loads if load["chunks"] == chunks and not load["node_cache_misses"]]
     if not warm:
         return None
     return {"loads": len(warm), "tokens_p50": statistics.median(load["tokens"] for load in warm),
@@ -209,9 +209,9 @@ def main() -> None:
             from openai import OpenAI
 
             client = OpenAI(base_url=f"{node.base_url}/v1", api_key="bench", timeout=600)
-            for user in users:  # warm-up: compile paths; every user's facts reach the node cache once
+            for user in users:  # warm-up: compile paths; every fact of every user reaches the node cache once
                 for mode in MODES:
-                    one_request(client, str(model_dir), user, "warm up", mode, max(args.k), args.max_tokens)
+                    one_request(client, str(model_dir), user, "warm up", mode, args.facts_per_user, args.max_tokens)
             stats_path.unlink(missing_ok=True)
             total = len(args.concurrency) * len(MODES) * len(args.k) * args.requests
             with tqdm(total=total, desc="requests", unit="req") as progress:
