@@ -55,6 +55,7 @@ class KvPipeline:
         self.facts = facts
         self.kv = kv
         self._announced: set[str] = set()  # profiles known to the index (skip the write on the request path)
+        self._staging: set[asyncio.Task] = set()  # background promotions started by RetrieveAndStage
 
     @property
     def index(self):
@@ -184,6 +185,16 @@ class KvPipeline:
 
     async def fetch(self, key: KvKey) -> bytes | None:
         return await asyncio.to_thread(self.kv.get, key)
+
+    def stage(self, keys: Sequence[KvKey]) -> None:
+        """Promotes the entries into the memory tiers in the background (a read does: see TieredKvStore.get)."""
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._read_all, list(keys)))
+        self._staging.add(task)
+        task.add_done_callback(self._staging.discard)
+
+    def _read_all(self, keys: list[KvKey]) -> None:
+        for key in keys:
+            self.kv.get(key)
 
     def counts(self, profile_id: str, user_id: str = "") -> QueueCounts:
         return self.index.counts(profile_id, user_id)

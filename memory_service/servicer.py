@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -50,6 +51,10 @@ _OUTCOME_TO_PB = {
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+
+
+# How long staged entries are expected to stay in the memory tier (LRU decides; this is what the handle promises).
+STAGING_TTL_S = 60.0
 
 
 def _timestamp(micros: int) -> Timestamp:
@@ -244,8 +249,16 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             ))
         self.metrics.kv_lookups.inc(len(results))
         self.metrics.kv_ready.inc(len(entries))
-        # The staging handle (node-side fetch by handle) comes with the inference node; nodes use FetchKv now.
-        return pb.RetrieveAndStageResponse(facts=facts)
+        ready = [f for f in facts if f.kv_ready]
+        if not ready:
+            return pb.RetrieveAndStageResponse(facts=facts)
+        self._kv.stage([header_key(profile_id)] + [KvKey(profile_id, user_id, f.fact_id, f.version) for f in ready])
+        covered = "|".join(f"{f.fact_id}@{f.version}" for f in ready)
+        digest = hashlib.sha256(f"{profile_id}|{user_id}|{request.node_id}|{covered}".encode()).hexdigest()
+        staging = pb.StagingHandle(
+            handle_id=f"stg-{digest[:24]}", fact_ids=[f.fact_id for f in ready], total_bytes=sum(f.kv_bytes for f in ready),
+            expires_at=_timestamp(int((time.time() + STAGING_TTL_S) * 1_000_000)))
+        return pb.RetrieveAndStageResponse(facts=facts, staging=staging)
 
     @rpc
     async def ListFacts(self, request: pb.ListFactsRequest, context) -> pb.ListFactsResponse:
