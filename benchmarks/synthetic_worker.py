@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from inferscale_kv.shape import KvShape
 from precompute_worker.__main__ import main
 from precompute_worker.encoder import DTYPES, EncodedFact, EncodingGroup
 
@@ -22,15 +23,13 @@ class SyntheticFactEncoder:
         self.max_tokens_per_forward = max_tokens_per_forward
         self._dtype = dtype
         self._generator = torch.Generator().manual_seed(seed)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+        self._shape = KvShape.from_config(config)
 
     def encode(self, groups: Sequence[EncodingGroup]) -> list[EncodedFact]:
-        layers, heads, head_dim = self._shape
         encoded = []
         for group in groups:
             for spec in group.facts:
-                shape = (layers, len(spec.token_ids), heads, head_dim)
+                shape = self._shape.of(len(spec.token_ids))
                 keys, values = (torch.randn(shape, generator=self._generator).mul_(0.5).to(self._dtype)
                                 for _ in range(2))
                 encoded.append(EncodedFact(spec, keys, values))

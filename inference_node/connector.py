@@ -44,6 +44,7 @@ from inference_node.node_cache import CachedKv, NodeKvCache, ResidencyHint
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
 from inference_node.staging import ChunkRef, KvStager, StagedChunks, chunk_key
 from inferscale_kv.rope import RotaryTables
+from inferscale_kv.shape import KvShape
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -356,10 +356,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
 
 def _bytes_per_token(model_config: Any) -> int:
-    config = model_config.hf_config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = _DTYPE_BYTES.get(str(model_config.dtype).removeprefix("torch."), 2)
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    return KvShape.from_config(model_config.hf_config).elements_per_token() * model_config.dtype.itemsize
 
 
 def _failed_future(error: Exception) -> Future:

@@ -17,6 +17,7 @@ import torch
 from inference_node.node_cache import CachedKv, NodeKvCache
 from inference_node.settings import HEADER_CHUNK, NodeSettings
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
+from inferscale_kv.shape import KvShape
 from memory_service.kv_tiers import KvKey
 
 HEADER_USER = "_profile"
@@ -118,9 +119,7 @@ class KvStager:
         return staged
 
     def _synthetic(self, chunk: ChunkRef, device: torch.device, dtype: torch.dtype) -> CachedKv:
-        config = self._hf_config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (config.num_hidden_layers, len(chunk.token_ids), config.num_key_value_heads, head_dim)
+        shape = KvShape.from_config(self._hf_config).of(len(chunk.token_ids))
         return CachedKv(torch.randn(shape, device=device, dtype=dtype) * 0.1,
                         torch.randn(shape, device=device, dtype=dtype) * 0.1, chunk.token_ids)
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from inferscale_kv.shape import KvShape
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,9 +85,8 @@ class FactEncoder:
     def __init__(self, model: torch.nn.Module, max_tokens_per_forward: int = 2048) -> None:
         self.model = model.eval()
         self.config = model.config
-        self.num_kv_heads = self.config.num_key_value_heads
-        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        self.num_layers = self.config.num_hidden_layers
+        shape = KvShape.from_config(self.config)
+        self.num_kv_heads, self.head_dim, self.num_layers = shape.num_kv_heads, shape.head_dim, shape.num_layers
         self.max_tokens_per_forward = max_tokens_per_forward
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
