@@ -3,7 +3,10 @@
     python -m benchmarks.compose_check [--k 10 50] [--tokens-per-fact 30] [--dtype bfloat16]
 
 Llama-3-8B KV shape (32 layers, 8 KV heads, 128 dims, llama3 rope scaling), chunks as the node cache holds them.
-Reports max |fused - torch| against a float32 reference and the median time of each path (CUDA events).
+Reports max |fused - torch| against a float32 reference and the median time of each path (CUDA events); then
+the connector's two ways of writing a load into vLLM's paged caches (FlashAttention NHD layout, shuffled block
+table): `compose_into_cache` (one launch) vs fused compose + vLLM's `reshape_and_cache_flash` per layer (the
+backend's own cache update), which must leave bit-identical caches.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.dummy_model import LLAMA3_8B
-from inference_node.compose import ChunkSlice, compose_prefix
+from inference_node.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
 from inferscale_kv.rope import RotaryTables
 
 
@@ -44,13 +47,13 @@ def main() -> None:
     tables = RotaryTables.from_config(config, 8192, device)
     cos, sin = tables.cos.float().contiguous(), tables.sin.float().contiguous()
     layers, heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    start = 0
     print(f"{'k':>4}{'tokens':>8}{'max|fused-ref|':>16}{'max|torch-ref|':>16}{'fused ms':>10}{'torch ms':>10}")
     for k in args.k:
         lengths = [args.header_tokens] + [args.tokens_per_fact] * k
         slices = [ChunkSlice(torch.randn(layers, n, heads, head_dim, device=device, dtype=dtype),
                              torch.randn(layers, n, heads, head_dim, device=device, dtype=dtype), 0, n)
                   for n in lengths]
-        start = 0
         reference = compose_prefix([ChunkSlice(s.keys.float(), s.values.float(), s.begin, s.end) for s in slices],
                                    start, cos, sin, layers, fused=False)
         fused = compose_prefix(slices, start, cos, sin, layers, fused=True)
@@ -61,6 +64,44 @@ def main() -> None:
         fused_ms = median_ms(lambda slices=slices: compose_prefix(slices, start, cos, sin, layers, fused=True))
         plain_ms = median_ms(lambda slices=slices: compose_prefix(slices, start, cos, sin, layers, fused=False))
         print(f"{k:>4}{sum(lengths):>8}{fused_error:>16.3e}{plain_error:>16.3e}{fused_ms:>10.3f}{plain_ms:>10.3f}")
+        check_cache_writes(slices, cos, sin, layers)
+
+
+def check_cache_writes(slices: list[ChunkSlice], cos: torch.Tensor, sin: torch.Tensor, layers: int,
+                       block_size: int = 16, start: int = 0) -> None:
+    from vllm._custom_ops import reshape_and_cache_flash
+
+    sample = slices[0].keys
+    _, _, heads, head_dim = sample.shape
+    count = sum(s.end - s.begin for s in slices)
+    blocks = -(-count // block_size) + 8
+    block_ids = tuple(torch.randperm(blocks)[: -(-count // block_size)].tolist())
+
+    def empty_caches() -> list[torch.Tensor]:  # vLLM's FlashAttention layout: physical NHD, logical [B, H, N, 2D]
+        return [torch.zeros(blocks, block_size, heads, 2 * head_dim, device=sample.device,
+                            dtype=sample.dtype).transpose(1, 2) for _ in range(layers)]
+
+    fused_caches, backend_caches = empty_caches(), empty_caches()
+    target = PagedCaches(fused_caches, block_ids, block_size)
+    assert target.writable_by_kernel(sample.dtype)
+    scale = torch.ones((), device=sample.device, dtype=torch.float32)
+    positions = torch.arange(start, start + count)
+    slots = (torch.tensor(block_ids)[positions // block_size] * block_size + positions % block_size).to(sample.device)
+
+    def backend_write() -> None:
+        keys, values = compose_prefix(slices, start, cos, sin, layers, fused=True)
+        for layer, cache in enumerate(backend_caches):
+            key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
+            reshape_and_cache_flash(keys[layer], values[layer], key_cache, value_cache, slots, "auto", scale, scale)
+
+    compose_into_cache(slices, start, cos, sin, target)
+    backend_write()
+    identical = all(torch.equal(a, b) for a, b in zip(fused_caches, backend_caches))
+    into_ms = median_ms(lambda: compose_into_cache(slices, start, cos, sin, target))
+    backend_ms = median_ms(backend_write)
+    print(f"     paged cache write, {count} tokens: compose_into_cache {into_ms:.3f} ms vs compose + "
+          f"{layers} x reshape_and_cache_flash {backend_ms:.3f} ms; caches bit-identical: {identical}")
+    assert identical, "compose_into_cache wrote different bytes than the backend's cache update"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Compose a request's memory prefix: gather its chunks' pre-RoPE KV and rotate the keys to their final positions.
 
-`compose_prefix` is the one entry point. On CUDA it runs one fused Triton kernel over every layer, token and
-head (gather from the node cache's entries through a pointer table, rotate-half RoPE in float32 with the
-model's own tables, one rounding to the model dtype); elsewhere it runs the same arithmetic with torch ops.
-Both return contiguous `[layers, tokens, kv_heads, head_dim]` keys (post-RoPE) and values.
+`compose_prefix` returns contiguous `[layers, tokens, kv_heads, head_dim]` keys (post-RoPE) and values. On CUDA
+it runs one fused Triton kernel over every layer, token and head (gather from the node cache's entries through a
+pointer table, rotate-half RoPE in float32 with the model's own tables, one rounding to the model dtype);
+elsewhere the same arithmetic with torch ops. `compose_into_cache` is the same kernel writing straight into
+vLLM's paged KV caches through the request's block table (CUDA, cache dtype = model dtype): one launch for
+the whole load, no intermediate tensors, no per-layer cache-update launches.
 """
 
 from __future__ import annotations
@@ -49,36 +51,81 @@ def compose_prefix(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin:
     return rotated, values.contiguous()
 
 
+@dataclass(frozen=True)
+class PagedCaches:
+    """Where a load goes: each layer's paged cache in vLLM's logical layout `[blocks, kv_heads, block_size,
+    2 * head_dim]` (K then V in the last dim; any physical order with a unit last stride, the same for every
+    layer), and the request's block ids."""
+
+    layers: list[torch.Tensor]
+    block_ids: tuple[int, ...]
+    block_size: int
+
+    def writable_by_kernel(self, dtype: torch.dtype) -> bool:
+        first = self.layers[0]
+        return (triton is not None and first.is_cuda and first.dim() == 4 and first.stride(-1) == 1
+                and all(cache.dtype == dtype and cache.stride() == first.stride() for cache in self.layers))
+
+
+def compose_into_cache(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin: torch.Tensor,
+                       caches: PagedCaches) -> None:
+    """Writes what `compose_prefix` returns into the caches at positions start, start + 1, ... (one launch).
+    Caller checks `caches.writable_by_kernel`; the slots are block_ids[p // block_size] * block_size + p % block_size."""
+    dtype = slices[0].keys.dtype
+    first = caches.layers[0]
+    _, _, heads, head_dim = slices[0].keys.shape
+    count = sum(s.end - s.begin for s in slices)
+    if (first.shape[1], first.shape[3]) != (heads, 2 * head_dim):
+        raise ValueError(f"chunk KV [{heads} heads x {head_dim}] does not fit caches of shape {tuple(first.shape)}")
+    if len(caches.block_ids) * caches.block_size < start + count or min(s.keys.shape[0] for s in slices) < len(
+            caches.layers):
+        raise ValueError(f"{len(caches.block_ids)} blocks / chunk layers do not cover tokens [{start}, {start + count})")
+    blocks = torch.tensor(caches.block_ids, dtype=torch.int64)
+    packed, _ = _pack_tables(slices, [cache.data_ptr() for cache in caches.layers], blocks, first.device)
+    chunks, layers = len(slices), len(caches.layers)
+    tables = torch.split(packed, [chunks, chunks, chunks, count, count, layers, len(blocks)])
+    _rope_gather_kernel[(count, layers)](
+        *tables[:5], cos, sin, tables[5], tables[6], start, count, *first.stride()[:3],
+        HEADS=first.shape[1], HALF=first.shape[3] // 4, HEADS_POW2=triton.next_power_of_2(first.shape[1]),
+        HALF_POW2=triton.next_power_of_2(first.shape[3] // 4), OUT_DTYPE=_TRITON_DTYPES[dtype],
+        BLOCK_SIZE=caches.block_size, PAGED=True)
+
+
 def _compose_triton(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin: torch.Tensor,
                     num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     sample = slices[0].keys
     _, _, heads, head_dim = sample.shape
-    device, dtype = sample.device, sample.dtype
-    lengths = [s.end - s.begin for s in slices]
-    count = sum(lengths)
-    # Per token: which chunk, and which row of that chunk's tensor. Built on the host, sent in one copy.
-    chunk_of_token = torch.repeat_interleave(torch.arange(len(slices), dtype=torch.int32),
-                                             torch.tensor(lengths))
-    row_of_token = torch.cat([torch.arange(s.begin, s.end, dtype=torch.int32) for s in slices])
+    packed, count = _pack_tables(slices, [], torch.empty(0, dtype=torch.int64), sample.device)
+    chunks = len(slices)
+    keys = torch.empty((num_layers, count, heads, head_dim), device=sample.device, dtype=sample.dtype)
+    values = torch.empty_like(keys)
+    _rope_gather_kernel[(count, num_layers)](
+        *torch.split(packed, [chunks, chunks, chunks, count, count]), cos, sin, keys, values, start, count, 0, 0, 0,
+        HEADS=heads, HALF=head_dim // 2, HEADS_POW2=triton.next_power_of_2(heads),
+        HALF_POW2=triton.next_power_of_2(head_dim // 2), OUT_DTYPE=_TRITON_DTYPES[sample.dtype], BLOCK_SIZE=1,
+        PAGED=False)
+    return keys, values
+
+
+def _pack_tables(slices: list[ChunkSlice], cache_ptrs: list[int], block_ids: torch.Tensor,
+                 device: torch.device) -> tuple[torch.Tensor, int]:
+    """The kernel's index tables, built on the host and sent in one copy: per chunk its K and V pointers and row
+    count, per token its chunk and row, then the cache pointers per layer and the block ids."""
+    dtype = slices[0].keys.dtype
+    for s in slices:
+        if not (s.keys.is_contiguous() and s.values.is_contiguous() and s.keys.dtype == dtype == s.values.dtype):
+            raise ValueError("fused compose needs contiguous chunk tensors of one dtype")
+    lengths = torch.tensor([s.end - s.begin for s in slices])
+    chunk_of_token = torch.repeat_interleave(torch.arange(len(slices)), lengths)
+    row_of_token = torch.cat([torch.arange(s.begin, s.end) for s in slices])
     table = torch.tensor([[s.keys.data_ptr() for s in slices], [s.values.data_ptr() for s in slices],
                           [s.keys.shape[1] for s in slices]], dtype=torch.int64)
-    host = torch.cat([table.flatten(), chunk_of_token.long(), row_of_token.long()])
+    host = torch.cat([table.flatten(), chunk_of_token, row_of_token, torch.tensor(cache_ptrs, dtype=torch.int64),
+                      block_ids])
     if device.type == "cuda":
         host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
-    chunks = len(slices)
-    key_ptrs, value_ptrs, chunk_rows = packed[:chunks], packed[chunks : 2 * chunks], packed[2 * chunks : 3 * chunks]
-    token_chunk, token_row = packed[3 * chunks : 3 * chunks + count], packed[3 * chunks + count :]
-    keys = torch.empty((num_layers, count, heads, head_dim), device=device, dtype=dtype)
-    values = torch.empty_like(keys)
-    for s in slices:
-        if not (s.keys.is_contiguous() and s.values.is_contiguous() and s.keys.dtype == dtype):
-            raise ValueError("fused compose needs contiguous chunk tensors of one dtype")
-    _rope_gather_kernel[(count, num_layers)](
-        key_ptrs, value_ptrs, chunk_rows, token_chunk, token_row, cos, sin, keys, values, start, count,
-        HEADS=heads, HALF=head_dim // 2, HEADS_POW2=triton.next_power_of_2(heads),
-        HALF_POW2=triton.next_power_of_2(head_dim // 2), OUT_DTYPE=_TRITON_DTYPES[dtype])
-    return keys, values
+    return host.to(device, non_blocking=True), int(lengths.sum())
+
 
 
 if triton is not None:
@@ -86,8 +133,12 @@ if triton is not None:
 
     @triton.jit
     def _rope_gather_kernel(key_ptrs, value_ptrs, chunk_rows, token_chunk, token_row, cos, sin, out_keys,
-                            out_values, start, count, HEADS: tl.constexpr, HALF: tl.constexpr,
-                            HEADS_POW2: tl.constexpr, HALF_POW2: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                            out_values, start, count, stride_block, stride_head, stride_slot, HEADS: tl.constexpr,
+                            HALF: tl.constexpr, HEADS_POW2: tl.constexpr, HALF_POW2: tl.constexpr,
+                            OUT_DTYPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr):
+        """One program per (token, layer). PAGED: out_keys holds each layer's cache pointer, out_values the
+        block ids, and K/V land at block * stride_block + head * stride_head + slot * stride_slot (+ head_dim for
+        V). Else out_keys/out_values are contiguous [layers, count, heads, head_dim] tensors."""
         token = tl.program_id(0)
         layer = tl.program_id(1).to(tl.int64)
         chunk = tl.load(token_chunk + token)
@@ -100,15 +151,24 @@ if triton is not None:
         mask = (heads < HEADS) & (dims < HALF)
         inner = heads * (2 * HALF) + dims
         source = (layer * rows + row) * (HEADS * 2 * HALF) + inner
-        target = (layer * count + token) * (HEADS * 2 * HALF) + inner
+        position = (start + token).to(tl.int64)
+        if PAGED:
+            block = tl.load(out_values + position // BLOCK_SIZE)
+            key_target = tl.load(out_keys + layer).to(tl.pointer_type(OUT_DTYPE)) + (
+                block * stride_block + heads * stride_head + (position % BLOCK_SIZE) * stride_slot + dims)
+            value_target = key_target + 2 * HALF
+        else:
+            offset = (layer * count + token) * (HEADS * 2 * HALF) + inner
+            key_target = out_keys + offset
+            value_target = out_values + offset
         first = tl.load(source_keys + source, mask=mask).to(tl.float32)
         second = tl.load(source_keys + source + HALF, mask=mask).to(tl.float32)
-        position = (start + token).to(tl.int64) * (2 * HALF)
-        cos_first = tl.load(cos + position + dims, mask=dims < HALF).to(tl.float32)
-        cos_second = tl.load(cos + position + HALF + dims, mask=dims < HALF).to(tl.float32)
-        sin_first = tl.load(sin + position + dims, mask=dims < HALF).to(tl.float32)
-        sin_second = tl.load(sin + position + HALF + dims, mask=dims < HALF).to(tl.float32)
-        tl.store(out_keys + target, (first * cos_first - second * sin_first).to(OUT_DTYPE), mask=mask)
-        tl.store(out_keys + target + HALF, (second * cos_second + first * sin_second).to(OUT_DTYPE), mask=mask)
-        tl.store(out_values + target, tl.load(source_values + source, mask=mask), mask=mask)
-        tl.store(out_values + target + HALF, tl.load(source_values + source + HALF, mask=mask), mask=mask)
+        table_row = position * (2 * HALF)
+        cos_first = tl.load(cos + table_row + dims, mask=dims < HALF).to(tl.float32)
+        cos_second = tl.load(cos + table_row + HALF + dims, mask=dims < HALF).to(tl.float32)
+        sin_first = tl.load(sin + table_row + dims, mask=dims < HALF).to(tl.float32)
+        sin_second = tl.load(sin + table_row + HALF + dims, mask=dims < HALF).to(tl.float32)
+        tl.store(key_target, (first * cos_first - second * sin_first).to(OUT_DTYPE), mask=mask)
+        tl.store(key_target + HALF, (second * cos_second + first * sin_second).to(OUT_DTYPE), mask=mask)
+        tl.store(value_target, tl.load(source_values + source, mask=mask), mask=mask)
+        tl.store(value_target + HALF, tl.load(source_values + source + HALF, mask=mask), mask=mask)

@@ -13,9 +13,10 @@ Roles talk only through `InferScaleConnectorMetadata`:
   while a fetch thread streams the misses from the memory service, and is scheduled once `get_finished`
   reports it (set `async_loads` off to fetch inline instead).
 - Worker: `start_load_kv` stages each load's chunks (node cache, else fetch: `staging.KvStager`), composes
-  the prefix (gather + RoPE at the final positions with the model's own tables: one fused Triton kernel on
-  CUDA, torch ops elsewhere: `compose.compose_prefix`) and writes it through each attention layer's own
-  `do_kv_cache_update`. Async loads are fetched on a thread and written in `get_finished` of a later step.
+  the prefix (gather + RoPE at the final positions with the model's own tables) and writes it into the
+  request's blocks: on CUDA with the cache in the model dtype one fused Triton kernel does both
+  (`compose.compose_into_cache`), elsewhere torch ops compose (`compose.compose_prefix`) and each attention
+  layer's own `do_kv_cache_update` writes (CPU's packed layout, fp8 caches). Async loads are fetched on a thread and written in `get_finished` of a later step.
   Nothing raises into the engine: a failed load is reported by `get_block_ids_with_load_errors` (for an async
   load no later than the step that reports it finished) and, with kv_load_failure_policy="recompute", vLLM
   prefills those tokens itself. Counts reach Prometheus through vLLM's connector stats (`connector_stats`).
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from inference_node.compose import ChunkSlice, compose_prefix
+from inference_node.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
 from inference_node.connector_stats import ConnectorPromMetrics, LoadStats
 from inference_node.node_cache import CachedKv, NodeKvCache, ResidencyHint
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
@@ -111,6 +112,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.settings = NodeSettings.from_mapping(extra)
         self.profile_id = self.settings.profile_id
         self.block_size = vllm_config.cache_config.block_size
+        self._cache_dtype_is_model_dtype = vllm_config.cache_config.cache_dtype == "auto"
         self._model_config = vllm_config.model_config
         # Scheduler side: loads decided by update_state_after_alloc, not yet sent to the workers.
         self._pending: dict[str, LoadSpec] = {}
@@ -338,6 +340,13 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._rope is None:
             tables = RotaryTables.from_config(self._model_config.hf_config, self._model_config.max_model_len, device)
             self._rope = (tables.cos.float().contiguous(), tables.sin.float().contiguous())
+        caches = PagedCaches([_layer_cache(layer) for layer in layers.values()], spec.block_ids, self.block_size)
+        if self._cache_dtype_is_model_dtype and caches.writable_by_kernel(self._model_config.dtype):
+            compose_into_cache(slices, spec.start, *self._rope, caches)  # compose and cache writes in one launch
+            self._mark("compose")
+            self._stats.add("tokens_loaded", count)
+            self._mark("write")
+            return
         keys, values = compose_prefix(slices, spec.start, *self._rope, len(layers))
         positions = torch.arange(spec.start, spec.end)
         block_table = torch.tensor(spec.block_ids, dtype=torch.int64)
