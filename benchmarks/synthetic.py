@@ -18,14 +18,14 @@ DETAILS = ["with her best friend", "and loved it", "but found it exhausting", "f
            "with the whole family", "to relieve stress", "because a colleague recommended it", "despite the rain"]
 
 
-def synthetic_facts(count: int, seed: int) -> list[str]:
-    """`count` distinct fact sentences, the same for the same seed."""
+def synthetic_facts(count: int, seed: int, clauses: int = 1) -> list[str]:
+    """`count` distinct fact sentences of `clauses` clauses each (~17 tokens per clause), the same for the same seed."""
     rng = random.Random(seed)
     facts: list[str] = []
     seen: set[str] = set()
     while len(facts) < count:
-        text = (f"{rng.choice(NAMES)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(WHENS)} "
-                f"{rng.choice(DETAILS)}.")
+        text = ", and ".join(f"{rng.choice(NAMES)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(WHENS)} "
+                             f"{rng.choice(DETAILS)}" for _ in range(clauses)) + "."
         if text in seen:
             text = f"{text[:-1]} (note {len(facts)})."
         seen.add(text)

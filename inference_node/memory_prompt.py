@@ -4,7 +4,9 @@ the load plan that the connector verifies against the prompt's actual token ids.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY
 from inferscale.v1 import memory_pb2 as pb
@@ -20,22 +22,27 @@ class MemoryPlan:
     kv_facts: int
 
 
-def order_facts(facts: list[pb.RetrievedFact]) -> list[pb.RetrievedFact]:
-    """Prompt order: facts with KV first, then the rest (prefilled), each part best-ranked last.
+def by_rank_descending(fact: pb.RetrievedFact) -> int:
+    return -fact.rank
+
+
+def order_facts(facts: list[pb.RetrievedFact],
+                key: Callable[[pb.RetrievedFact], Any] = by_rank_descending) -> list[pb.RetrievedFact]:
+    """Prompt order: facts with KV first, then the rest (prefilled), each part sorted by `key` (default: best
+    ranked last, the node's order).
 
     Only a prompt prefix can be loaded, so facts to be prefilled go after the injectable ones; text mode
     uses the same order so that both modes see the same prompt.
     """
-    def by_rank_descending(fact: pb.RetrievedFact) -> int:
-        return -fact.rank
-
-    ready = sorted((f for f in facts if f.kv_ready and f.token_ids), key=by_rank_descending)
-    other = sorted((f for f in facts if not (f.kv_ready and f.token_ids)), key=by_rank_descending)
+    ready = sorted((f for f in facts if f.kv_ready and f.token_ids), key=key)
+    other = sorted((f for f in facts if not (f.kv_ready and f.token_ids)), key=key)
     return ready + other
 
 
-def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], profile_id: str, user_id: str) -> MemoryPlan:
-    ordered = order_facts(facts)
+def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], profile_id: str, user_id: str,
+                key: Callable[[pb.RetrievedFact], Any] = by_rank_descending) -> MemoryPlan:
+    """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order."""
+    ordered = order_facts(facts, key)
     block = "".join(fact.text.strip() + "\n" for fact in ordered)
     chunks = [{"fact_id": HEADER_CHUNK, "version": 1, "token_ids": list(header_ids)}]
     chunks += [{"fact_id": f.fact_id, "version": f.version, "token_ids": list(f.token_ids)}

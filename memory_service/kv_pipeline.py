@@ -187,14 +187,14 @@ class KvPipeline:
         return await asyncio.to_thread(self.kv.get, key)
 
     def stage(self, keys: Sequence[KvKey]) -> None:
-        """Promotes the entries into the memory tiers in the background (a read does: see TieredKvStore.get)."""
+        """Promotes the entries into the memory tiers in the background (TieredKvStore.promote)."""
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._read_all, list(keys)))
         self._staging.add(task)
         task.add_done_callback(self._staging.discard)
 
     def _read_all(self, keys: list[KvKey]) -> None:
         for key in keys:
-            self.kv.get(key)
+            self.kv.promote(key)
 
     def counts(self, profile_id: str, user_id: str = "") -> QueueCounts:
         return self.index.counts(profile_id, user_id)

@@ -69,6 +69,11 @@ class TieredKvStore:
                     return blob
         return None
 
+    def promote(self, key: KvKey) -> None:
+        """Brings an entry into the memory tiers; a no-op (no read, no copy) when one of them holds it already."""
+        if not any(tier.contains(key) for tier in self.tiers[:-1]):
+            self.get(key)
+
     def remove(self, keys: Iterable[KvKey]) -> None:
         with self._lock:
             for key in keys:

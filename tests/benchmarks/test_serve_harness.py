@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.dummy_model import build_dummy_model
-from benchmarks.serve import connector_phases, hit_rate
+from benchmarks.serve import (
+    arrival_offsets,
+    connector_phases,
+    engine_ttft_ms,
+    hit_rate,
+    locomo_workload,
+    parse_counters,
+    report,
+    synthetic_workload,
+)
 from benchmarks.synthetic_worker import SyntheticFactEncoder
 from inferscale_kv.model_profile import build_model_profile
 from precompute_worker.encoder import EncodingGroup, FactKey, FactSpec
@@ -51,3 +62,60 @@ def test_synthetic_encoder_gives_every_fact_kv_of_the_model_shape(tiny_llama_dir
     assert [fact.spec for fact in encoded] == specs
     assert [tuple(fact.keys.shape) for fact in encoded] == [(4, 3 + i, 2, 64) for i in range(3)]
     assert all(fact.values.dtype == torch.bfloat16 for fact in encoded)
+
+
+METRICS_TEXT = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.75
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0
+inferscale_connector_node_cache_hits_total{engine="0",model_name="m"} 4.0
+inferscale_connector_node_cache_hits_total{engine="1",model_name="m"} 2.0
+inferscale_connector_loads_created{engine="0",model_name="m"} 1.7e9
+"""
+
+
+def test_counters_sum_label_sets_and_take_vllm_ttft_sum_and_count_but_not_buckets_or_created() -> None:
+    assert parse_counters(METRICS_TEXT) == {"ttft_sum": 0.75, "ttft_count": 3.0, "node_cache_hits": 6.0}
+
+
+def test_engine_ttft_is_the_mean_of_the_histogram_delta_and_nan_without_requests() -> None:
+    before, after = {"ttft_sum": 1.0, "ttft_count": 2.0}, {"ttft_sum": 1.5, "ttft_count": 12.0}
+    assert engine_ttft_ms(before, after) == {"mean": 50.0, "requests": 10.0}
+    assert math.isnan(engine_ttft_ms(after, after)["mean"])
+
+
+def test_open_loop_arrivals_start_at_zero_increase_and_average_the_requested_rate() -> None:
+    offsets = arrival_offsets(4000, 20.0, random.Random(1))
+    assert offsets[0] == 0.0 and all(b > a for a, b in zip(offsets, offsets[1:], strict=False))
+    assert abs(len(offsets) / offsets[-1] - 20.0) < 1.5
+
+
+def test_synthetic_workload_gives_each_user_distinct_facts_and_jobs_round_robin_over_users() -> None:
+    workload = synthetic_workload(3, 10, clauses=2)
+    texts = [fact.text for user in workload.users for fact in workload.facts[user]]
+    assert len(texts) == 30 and len(set(texts)) == 30 and all(", and " in text for text in texts)
+    jobs = workload.jobs(7, random.Random(0))
+    assert [user for user, _ in jobs] == [workload.users[i % 3] for i in range(7)]
+    assert all(question in workload.questions[user] for user, question in jobs)
+
+
+def test_locomo_workload_replays_conversations_round_robin_with_their_first_facts(locomo_file) -> None:
+    workload = locomo_workload(locomo_file, 3, 2)
+    assert len(workload.users) == 3 and len(set(workload.users)) == 3
+    first, second, third = (workload.facts[user] for user in workload.users)
+    assert [f.text for f in first] == [f.text for f in third] != [f.text for f in second]
+    assert len(first) == 2 and workload.turns[workload.users[0]]
+    assert workload.questions[workload.users[1]] == ["What did Bo adopt?", "When did Ana start pottery?"]
+
+
+def test_report_prints_every_contender_and_the_kv_text_ratios(capsys) -> None:
+    def row(scale: float) -> dict:
+        latency = {"p50": 10.0 * scale, "p90": 12.0 * scale, "p99": 13.0 * scale, "mean": 11.0 * scale}
+        return {"requests": 4, "query_to_first_token_ms": latency, "ttft_ms": latency, "tpot_ms": latency,
+                "engine_ttft_ms": {"mean": 8.0 * scale}, "throughput_rps": 1.0 / scale, "mean_prompt_tokens": 100,
+                "mean_injected_tokens": 90 if scale == 1 else 0, "node_cache_hit_rate": 1.0 if scale == 1 else None}
+
+    report({"kv": {"50": row(1)}, "text": {"50": row(4)}, "off": {"50": row(0.5)}}, [50], "test")
+    out = capsys.readouterr().out
+    assert "k = 50 facts" in out and "Request throughput (req/s)" in out
+    assert "query-to-first-token p50 0.25" in out and "engine TTFT (vLLM mean) 0.25" in out and "throughput 4.00x" in out

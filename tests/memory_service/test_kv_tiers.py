@@ -104,6 +104,18 @@ def test_store_promotes_a_disk_hit_into_the_host_tier(tmp_path) -> None:
     assert host.stats.bytes <= host.budget_bytes
 
 
+def test_promote_reads_from_disk_only_what_no_memory_tier_holds(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    host, disk = store.tiers
+    for index in range(21):
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4])
+    reads_before = disk.stats.hits
+    store.promote(_key(20))  # in the host tier since its put
+    assert disk.stats.hits == reads_before
+    store.promote(_key(0))  # evicted from the host tier: read from disk, promoted
+    assert disk.stats.hits == reads_before + 1 and host.contains(_key(0))
+
+
 def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
     store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
     store.index.add_profile("kvp-test", {})

@@ -1,0 +1,471 @@
+"""LoCoMo quality evaluation: what serving memory as injected KV costs against the same facts as text.
+
+    python -m benchmarks.locomo [--data ../shared/data/locomo/locomo-dev6.json] [--conversations 2]
+        [--per-category 6] [--k 50] [--windows 0 5 20 50 -1] [--fp8-window 50] [--order-window 50]
+
+Ingests LoCoMo conversations (turns, and observation facts with their source turns) through the real gRPC API
+into a real memory service, runs the real precompute worker once per encoding (Context-Window Encoding with
+w preceding turns, -1 = all; float32 and fp8 storage), then for each question of a stratified subset
+(categories 1-4):
+- retrieval recall@k of the evidence turns (a retrieved fact covers its source turn), k = 5, 10, 20, 50;
+- the gold answer's teacher-forced NLL per token under `text` (the serving prompt prefilled) and under `kv`
+  (the same prompt with its memory prefix injected: the node's own staging and Chunked-RoPE compose over the
+  KV fetched from the memory service); their difference is the fidelity gap;
+- greedy answers under both, scored by token F1 against the gold answer.
+The prompt is the inference node's (its middleware's memory block, best fact last, the connector's provable
+prefix); the model runs in this process (transformers, fp32), so NLLs are exact and comparable. Results are
+cached per (variant, question) in the output folder, so an interrupted run resumes; the memory service keeps
+its data there too. Writes report.md, results.json and PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import string
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.locomo_data import CATEGORIES, DEFAULT_LOCOMO, LocomoConversation, LocomoQuestion, load_locomo
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+
+ANSWER_INSTRUCTION = "Answer the question in a few words, using the facts you remember."
+RECALL_AT = (5, 10, 20, 50)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of serving the memory: its encoding (profile) and the facts' order in the prompt."""
+
+    name: str
+    context_window: int
+    kv_dtype: str = "float32"
+    order: str = "ranked"  # ranked: best fact last (the node's layout); chronological: by source turn
+
+    @property
+    def profile_key(self) -> tuple[int, str]:
+        return self.context_window, self.kv_dtype
+
+
+def window_name(window: int) -> str:
+    return "w=all" if window == -1 else f"w={window}"
+
+
+def build_variants(windows: Sequence[int], fp8_window: int | None, order_window: int | None) -> list[Variant]:
+    variants = [Variant(window_name(w), w) for w in windows]
+    if fp8_window is not None:
+        variants.append(Variant(f"{window_name(fp8_window)} fp8", fp8_window, "fp8_e4m3"))
+    if order_window is not None:
+        variants.append(Variant(f"{window_name(order_window)} chronological", order_window, order="chronological"))
+    return variants
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+def normalize_answer(text: str) -> list[str]:
+    """SQuAD-style: lower case, no punctuation, no articles, split on white space."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return re.sub(r"\b(a|an|the)\b", " ", text).split()
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    predicted, expected = normalize_answer(prediction), normalize_answer(gold)
+    if not predicted or not expected:
+        return float(predicted == expected)
+    common = sum((Counter(predicted) & Counter(expected)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def recall_at(ranked_sources: Sequence[str], evidence: Sequence[str], k: int) -> float | None:
+    """Share of the evidence turns that the top-k facts' source turns cover (None without evidence)."""
+    if not evidence:
+        return None
+    covered = set(ranked_sources[:k])
+    return sum(turn in covered for turn in evidence) / len(evidence)
+
+
+def stratified_subset(questions: Sequence[LocomoQuestion], per_category: int | None, seed: int) -> list[LocomoQuestion]:
+    """Up to `per_category` questions of each category (all when None), drawn with a fixed seed, in input order."""
+    if per_category is None:
+        return list(questions)
+    rng = random.Random(seed)
+    by_category: dict[int, list[LocomoQuestion]] = defaultdict(list)
+    for question in questions:
+        by_category[question.category].append(question)
+    chosen = {q.question_id for qs in by_category.values() for q in rng.sample(qs, min(per_category, len(qs)))}
+    return [q for q in questions if q.question_id in chosen]
+
+
+def answer_nll(logits: torch.Tensor, answer_ids: Sequence[int]) -> float:
+    """Mean NLL per token (nats) of the answer; row i of `logits` [len(answer), vocab] predicts answer token i."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    return float(-scores[torch.arange(len(answer_ids)), torch.tensor(answer_ids)].mean())
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- the model side
+
+class Evaluator:
+    """Scores one prompt under text prefill and under injected KV with one HF model (fp32, this process)."""
+
+    def __init__(self, model_dir: Path, memory_service: str, max_new_tokens: int) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from inference_node.node_cache import NodeKvCache
+        from inference_node.settings import NodeSettings
+        from inference_node.staging import KvStager
+        from inferscale_kv.layout import memory_header_ids
+        from inferscale_kv.rope import RotaryTables
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        self.header_ids = memory_header_ids(self.tokenizer)
+        tables = RotaryTables.from_model(self.model, self.model.config.max_position_embeddings)
+        self.cos, self.sin = tables.cos, tables.sin
+        settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
+                                fetch_timeout_s=120.0)
+        self.stager = KvStager(settings, NodeKvCache(2 << 30), self.model.config)
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+    def prompt(self, facts: list[pb.RetrievedFact], question: str, profile_id: str, user_id: str, order_key):
+        """The node's prompt (its middleware's memory block and load plan) with the facts in `order_key` order."""
+        from inference_node.memory_prompt import plan_memory, system_content
+
+        plan = plan_memory(facts, self.header_ids, profile_id, user_id, order_key)
+        messages = [{"role": "system", "content": system_content(plan.block_text, "")},
+                    {"role": "user", "content": f"{ANSWER_INSTRUCTION}\n{question}"}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False)), plan
+
+    def injected_past(self, prompt_ids: list[int], plan, profile_id: str, user_id: str):
+        """The connector's claim on this prompt and the KV it would write: (claimed tokens, DynamicCache)."""
+        from transformers import DynamicCache
+
+        from inference_node.compose import ChunkSlice, compose_prefix
+        from inference_node.connector import provable_prefix
+        from inference_node.staging import ChunkRef
+
+        end, chunks = provable_prefix(prompt_ids, plan.kv_params, profile_id)
+        if not end:
+            raise LookupError("the connector would claim nothing of this prompt")
+        refs = [ChunkRef(c.fact_id, c.version, tuple(c.token_ids)) for c in chunks]
+        staged = self.stager.stage(profile_id, user_id, refs, torch.device("cpu"), torch.float32, None)
+        slices = [ChunkSlice(e.keys, e.values, 0, min(len(c.token_ids), end - c.offset))
+                  for c, e in zip(chunks, staged.entries, strict=True) if c.offset < end]
+        layers = self.model.config.num_hidden_layers
+        keys, values = compose_prefix(slices, 0, self.cos, self.sin, layers, fused=False)
+        cache = DynamicCache()
+        for layer in range(layers):
+            cache.update(keys[layer].transpose(0, 1)[None], values[layer].transpose(0, 1)[None], layer)
+        return end, cache
+
+    @torch.no_grad()
+    def score(self, prompt_ids: list[int], answer: str, past=None, start: int = 0) -> tuple[float, str]:
+        """(gold answer NLL per token, greedy answer) after prefilling prompt_ids[start:] behind `past` (the KV
+        of prompt_ids[:start]), or the whole prompt when there is no past."""
+        import copy
+
+        from transformers import DynamicCache
+
+        if past is None:
+            past, start = DynamicCache(), 0
+        last = self._forward(prompt_ids[start:], start, past)[-1]  # past now holds the whole prompt
+        answer_ids = list(self.tokenizer.encode(" " + answer.strip(), add_special_tokens=False))
+        branch = copy.deepcopy(past)
+        forced = self._forward(answer_ids[:-1], len(prompt_ids), branch) if len(answer_ids) > 1 else last[None][:0]
+        nll = answer_nll(torch.cat([last[None], forced]), answer_ids)
+        generated: list[int] = []
+        next_id, position = int(last.argmax()), len(prompt_ids)
+        while next_id not in self.stop_ids and len(generated) < self.max_new_tokens:
+            generated.append(next_id)
+            next_id = int(self._forward([next_id], position, past)[-1].argmax())
+            position += 1
+        return nll, self.tokenizer.decode(generated, skip_special_tokens=True).strip()
+
+    def _forward(self, token_ids: list[int], start: int, past) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] of tokens at positions start, start + 1, ... behind `past` (extended)."""
+        positions = torch.arange(start, start + len(token_ids))[None]
+        return self.model(torch.tensor([token_ids]), position_ids=positions, past_key_values=past,
+                          use_cache=True).logits[0]
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+class ResultCache:
+    """One JSON line per finished (variant, question): a rerun skips what is there."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[tuple[str, str], dict] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    self.rows[(row["variant"], row["question_id"])] = row
+
+    def get(self, variant: str, question_id: str) -> dict | None:
+        return self.rows.get((variant, question_id))
+
+    def put(self, row: dict) -> None:
+        self.rows[(row["variant"], row["question_id"])] = row
+        with self.path.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+
+
+def ingest(stub, conversations: list[LocomoConversation]) -> None:
+    for conversation in tqdm(conversations, desc="ingesting conversations", unit="conv"):
+        stub.IngestTurns(pb.IngestTurnsRequest(user_id=conversation.sample_id, turns=conversation.turns))
+        for begin in range(0, len(conversation.facts), 100):
+            stub.IngestFacts(pb.IngestFactsRequest(user_id=conversation.sample_id,
+                                                   facts=conversation.facts[begin : begin + 100]))
+
+
+def precompute(stub, address: str, model_dir: Path, variant: Variant, total: int, log_path: Path) -> pb.KvProfile:
+    """Runs the real worker for the variant's profile until every fact has KV (skipped when a previous run did)."""
+    from transformers import AutoTokenizer
+
+    from inferscale_kv.model_profile import build_model_profile
+    from precompute_worker.worker import profile_message
+
+    profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), variant.kv_dtype,
+                                  variant.context_window)
+    done = _done(stub, profile.profile_id)
+    if done < total:
+        with log_path.open("ab") as log:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "precompute_worker", "--memory-service", address, "--model", str(model_dir),
+                 "--context-window", str(variant.context_window), "--kv-dtype", variant.kv_dtype,
+                 "--exit-when-idle"], stdout=log, stderr=subprocess.STDOUT)
+            with tqdm(total=total, initial=done, desc=f"fact KV, {window_name(variant.context_window)} "
+                                                       f"{variant.kv_dtype}", unit="fact") as progress:
+                while worker.poll() is None:
+                    try:
+                        worker.wait(timeout=1.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    now = _done(stub, profile.profile_id)
+                    progress.update(now - progress.n)
+            if worker.returncode:
+                raise RuntimeError(f"precompute worker failed ({worker.returncode}): see {log_path}")
+    return profile_message(profile)
+
+
+def _done(stub, profile_id: str) -> int:
+    stats = stub.GetStats(pb.GetStatsRequest())
+    return next((p.done for p in stats.profiles if p.profile_id == profile_id), 0)
+
+
+def order_key(order: str, seq_of_fact: dict[str, int]):
+    """ranked: best last (the node's order); chronological: by the source turn's position in the conversation."""
+    from inference_node.memory_prompt import by_rank_descending
+
+    if order == "chronological":
+        return lambda fact: seq_of_fact.get(fact.fact_id, 0)
+    return by_rank_descending
+
+
+def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversation: LocomoConversation,
+                   question: LocomoQuestion, variant: Variant, k: int, text_scores: dict) -> dict:
+    """One (variant, question) result: retrieval recall, text and kv NLL of the gold answer, greedy answers."""
+    user_id, profile_id = conversation.sample_id, profile.profile_id
+    response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+        user_id=user_id, query=question.question, top_k=k, profile=profile, node_id="locomo-eval"))
+    facts = list(response.facts)
+    seq_of_turn = {turn.turn_id: turn.seq for turn in conversation.turns}
+    source_of_fact = {fact.fact_id: fact.source_turn_id for fact in conversation.facts}
+    seq_of_fact = {fact_id: seq_of_turn.get(source, 0) for fact_id, source in source_of_fact.items()}
+    ranked_sources = [source_of_fact.get(fact.fact_id, "") for fact in sorted(facts, key=lambda f: f.rank)]
+    prompt_ids, plan = evaluator.prompt(facts, question.question, profile_id, user_id,
+                                        order_key(variant.order, seq_of_fact))
+    if variant.order not in text_scores:
+        text_scores[variant.order] = evaluator.score(prompt_ids, question.answer)
+    text_nll, text_answer = text_scores[variant.order]
+    end, past = evaluator.injected_past(prompt_ids, plan, profile_id, user_id)
+    kv_nll, kv_answer = evaluator.score(prompt_ids, question.answer, past, end)
+    return {"variant": variant.name, "question_id": question.question_id, "category": question.category,
+            "question": question.question, "gold": question.answer, "prompt_tokens": len(prompt_ids),
+            "injected_tokens": end,
+            "recall": {str(at): recall_at(ranked_sources, question.evidence, at) for at in RECALL_AT},
+            "text_nll": text_nll, "kv_nll": kv_nll, "text_answer": text_answer, "kv_answer": kv_answer,
+            "text_f1": token_f1(text_answer, question.answer), "kv_f1": token_f1(kv_answer, question.answer)}
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from demo.smollm2 import build_smollm2
+    from memory_service.launcher import MemoryServiceProcess
+    conversations = load_locomo(args.data)[: args.conversations]
+    questions = {c.sample_id: stratified_subset(c.questions, args.per_category, args.seed) for c in conversations}
+    variants = build_variants(args.windows, args.fp8_window, args.order_window)
+    model_dir = (args.model or build_smollm2()).resolve()
+    args.output.mkdir(parents=True, exist_ok=True)
+    cache = ResultCache(args.output / "per_question.jsonl")
+    service = MemoryServiceProcess(args.output / "memory-service", args.output / "memory_service.log").start()
+    try:
+        with service.channel() as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            ingest(stub, conversations)
+            total = sum(len(c.facts) for c in conversations)
+            profiles: dict[tuple[int, str], pb.KvProfile] = {}
+            for variant in variants:
+                if variant.profile_key not in profiles:
+                    profiles[variant.profile_key] = precompute(stub, service.address, model_dir, variant, total,
+                                                               args.output / "worker.log")
+            evaluator = Evaluator(model_dir, service.address, args.max_new_tokens)
+            work = [(c, q) for c in conversations for q in questions[c.sample_id]]
+            with tqdm(total=len(work) * len(variants), desc="questions x variants", unit="eval") as progress:
+                for conversation, question in work:
+                    text_scores: dict[str, tuple[float, str]] = {}  # per fact order: the same for every encoding
+                    for variant in variants:
+                        if not cache.get(variant.name, question.question_id):
+                            cache.put(score_question(evaluator, stub, profiles[variant.profile_key], conversation,
+                                                     question, variant, args.k, text_scores))
+                        progress.update()
+    finally:
+        service.stop()
+    chosen = {q.question_id for qs in questions.values() for q in qs}
+    rows = [row for row in cache.rows.values() if row["question_id"] in chosen]
+    return {"variants": [asdict(v) for v in variants], "summary": summarize(rows, variants), "rows": len(rows),
+            "conversations": [c.sample_id for c in conversations], "k": args.k, "model": model_dir.name}
+
+
+def summarize(rows: list[dict], variants: list[Variant]) -> dict:
+    """Per variant, per category and overall: mean NLLs, the fidelity gap (kv - text), F1s, recall@k."""
+    summary: dict[str, dict] = {}
+    for variant in variants:
+        mine = [row for row in rows if row["variant"] == variant.name]
+        groups = {str(c): [r for r in mine if r["category"] == c] for c in CATEGORIES} | {"overall": mine}
+        summary[variant.name] = {}
+        for group, members in groups.items():
+            recall = {k: mean([r["recall"][k] for r in members if r["recall"][k] is not None]) for k in
+                      map(str, RECALL_AT)}
+            summary[variant.name][group] = {
+                "questions": len(members), "text_nll": mean([r["text_nll"] for r in members]),
+                "kv_nll": mean([r["kv_nll"] for r in members]),
+                "gap": mean([r["kv_nll"] - r["text_nll"] for r in members]),
+                "text_f1": mean([r["text_f1"] for r in members]), "kv_f1": mean([r["kv_f1"] for r in members]),
+                "recall": recall}
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+def fmt(value: float, digits: int = 3) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown_report(result: dict, plots: list[str]) -> str:
+    summary = result["summary"]
+    names = list(summary)
+    lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']})", "",
+             f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
+             "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats); gap = kv - text "
+             "(what injection costs, 0 = exact). F1: greedy answers' token F1 against gold.", "",
+             "| variant | questions | text NLL | kv NLL | gap | gap / gap(w=0) | text F1 | kv F1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = summary.get("w=0", {}).get("overall", {}).get("gap")
+    for name in names:
+        row = summary[name]["overall"]
+        relative = row["gap"] / base if base else float("nan")
+        lines.append(f"| {name} | {row['questions']} | {fmt(row['text_nll'])} | {fmt(row['kv_nll'])} | "
+                     f"{fmt(row['gap'])} | {fmt(relative, 2)} | {fmt(row['text_f1'])} | {fmt(row['kv_f1'])} |")
+    lines += ["", "Fidelity gap per category (nats/token):", "",
+              "| variant | " + " | ".join(f"{c} {n}" for c, n in CATEGORIES.items()) + " | overall |",
+              "|---|" + "---:|" * (len(CATEGORIES) + 1)]
+    for name in names:
+        cells = [fmt(summary[name][str(c)]["gap"]) for c in CATEGORIES] + [fmt(summary[name]["overall"]["gap"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    first = summary[names[0]]
+    lines += ["", "Retrieval recall of the evidence turns (same retrieval for every variant):", "",
+              "| category | questions | " + " | ".join(f"recall@{k}" for k in RECALL_AT) + " |",
+              "|---|---:|" + "---:|" * len(RECALL_AT)]
+    for group in [*map(str, CATEGORIES), "overall"]:
+        row = first[group]
+        label = f"{group} {CATEGORIES[int(group)]}" if group != "overall" else "overall"
+        lines.append(f"| {label} | {row['questions']} | "
+                     + " | ".join(fmt(row["recall"][str(k)], 2) for k in RECALL_AT) + " |")
+    lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, output: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    names = list(summary)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.bar(names, [summary[n]["overall"]["gap"] for n in names], color="tab:blue")
+    axis.set_ylabel("fidelity gap, kv - text (nats/token)")
+    axis.set_title(f"LoCoMo, {result['model']}, k={result['k']}: what injection costs")
+    axis.tick_params(axis="x", rotation=30)
+    axis.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    paths = [str(output / "fidelity_gap.png")]
+    figure.savefig(paths[-1], dpi=120)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    first = summary[names[0]]
+    for group in [*map(str, CATEGORIES), "overall"]:
+        axis.plot(RECALL_AT, [first[group]["recall"][str(k)] for k in RECALL_AT], marker="o",
+                  label=CATEGORIES.get(int(group), group) if group != "overall" else "overall")
+    axis.set_xlabel("k")
+    axis.set_ylabel("recall of evidence turns")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    paths.append(str(output / "recall_at_k.png"))
+    figure.savefig(paths[-1], dpi=120)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_LOCOMO)
+    parser.add_argument("--conversations", type=int, default=2, help="the first N conversations of the file")
+    parser.add_argument("--per-category", type=int, default=6,
+                        help="stratified subset: questions per category per conversation (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--k", type=int, default=50)
+    parser.add_argument("--windows", type=int, nargs="+", default=[0, 5, 20, 50, -1])
+    parser.add_argument("--fp8-window", type=int, default=50, help="the encoding also stored in fp8 (-2: none)")
+    parser.add_argument("--order-window", type=int, default=50,
+                        help="the encoding also served in chronological fact order (-2: none)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--output", type=Path, default=Path("results/locomo"))
+    args = parser.parse_args()
+    args.per_category = args.per_category or None
+    args.fp8_window = None if args.fp8_window == -2 else args.fp8_window
+    args.order_window = None if args.order_window == -2 else args.order_window
+    if not args.data.exists():
+        raise SystemExit(f"{args.data}: no LoCoMo file (pass --data PATH)")
+    result = evaluate(args)
+    plots = plot(result, args.output)
+    report = markdown_report(result, plots)
+    (args.output / "results.json").write_text(json.dumps(result, indent=2))
+    (args.output / "report.md").write_text(report)
+    print(report)
+    print(f"\nreport: {args.output / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()
