@@ -79,10 +79,14 @@ class GroupBuilder:
                 context.extend(turn)
                 prefix_lengths.append(len(context))
             group = EncodingGroup(context)
+            fact_tokens = 0
             for job, token_ids, source in members:
-                if group.facts and group.num_tokens + len(token_ids) > self.max_group_tokens:
+                # The cap bounds the facts a group adds to its context (which is paid once per group): counting
+                # the context too would give every fact its own forward once the context alone exceeds the cap.
+                if group.facts and fact_tokens + len(token_ids) > self.max_group_tokens:
                     groups.append(group)
-                    group = EncodingGroup(context)
+                    group, fact_tokens = EncodingGroup(context), 0
+                fact_tokens += len(token_ids)
                 visible = prefix_lengths[source - start] if user else len(self.header_ids)
                 group.facts.append(FactSpec(job.key, token_ids, visible))
             groups.append(group)

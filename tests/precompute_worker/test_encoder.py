@@ -86,6 +86,16 @@ def test_keys_rotated_to_a_later_position_match_a_shifted_encoding(tiny_llama_di
     assert (layer0_rotated - expected).abs().max() <= TOLERANCE
 
 
+def test_shared_grouping_keeps_facts_together_when_the_context_alone_exceeds_the_group_cap(tiny_llama_dir) -> None:
+    _, tokenizer = _load(tiny_llama_dir)
+    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), -1, max_group_tokens=40)
+    jobs = [FactJob(FactKey("alice", f"f{i}", 1), f"fact {i}", TURNS[-1].turn_id) for i in range(6)]
+    groups = builder.shared(jobs, {"alice": TURNS})
+    assert len(groups[0].context_ids) > 40  # all turns before the last one
+    assert sum(len(g.facts) for g in groups) == 6 and len(groups) < 6
+    assert all(sum(len(f.token_ids) for f in g.facts) <= 40 for g in groups)
+
+
 @pytest.mark.parametrize("context_window", [0, 2, 3, -1])
 def test_shared_conversation_encoding_equals_naive_per_fact_encoding(tiny_llama_dir, context_window) -> None:
     model, tokenizer = _load(tiny_llama_dir)
