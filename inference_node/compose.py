@@ -70,20 +70,21 @@ class PagedCaches:
 def compose_into_cache(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin: torch.Tensor,
                        caches: PagedCaches) -> None:
     """Writes what `compose_prefix` returns into the caches at positions start, start + 1, ... (one launch).
-    Caller checks `caches.writable_by_kernel`; the slots are block_ids[p // block_size] * block_size + p % block_size."""
+    Caller checks `caches.writable_by_kernel`; position p goes to slot p % block_size of block
+    block_ids[p // block_size]."""
     dtype = slices[0].keys.dtype
     first = caches.layers[0]
     _, _, heads, head_dim = slices[0].keys.shape
     count = sum(s.end - s.begin for s in slices)
     if (first.shape[1], first.shape[3]) != (heads, 2 * head_dim):
         raise ValueError(f"chunk KV [{heads} heads x {head_dim}] does not fit caches of shape {tuple(first.shape)}")
-    if len(caches.block_ids) * caches.block_size < start + count or min(s.keys.shape[0] for s in slices) < len(
-            caches.layers):
-        raise ValueError(f"{len(caches.block_ids)} blocks / chunk layers do not cover tokens [{start}, {start + count})")
-    blocks = torch.tensor(caches.block_ids, dtype=torch.int64)
-    packed, _ = _pack_tables(slices, [cache.data_ptr() for cache in caches.layers], blocks, first.device)
-    chunks, layers = len(slices), len(caches.layers)
-    tables = torch.split(packed, [chunks, chunks, chunks, count, count, layers, len(blocks)])
+    covered = len(caches.block_ids) * caches.block_size
+    if covered < start + count or min(s.keys.shape[0] for s in slices) < len(caches.layers):
+        raise ValueError(
+            f"{len(caches.block_ids)} blocks / chunk layers do not cover tokens [{start}, {start + count})")
+    cache_ptrs = torch.tensor([cache.data_ptr() for cache in caches.layers], dtype=torch.int64)
+    tables = _index_tables(slices, first.device, cache_ptrs, torch.tensor(caches.block_ids, dtype=torch.int64))
+    layers = len(caches.layers)
     _rope_gather_kernel[(count, layers)](
         *tables[:5], cos, sin, tables[5], tables[6], start, count, *first.stride()[:3],
         HEADS=first.shape[1], HALF=first.shape[3] // 4, HEADS_POW2=triton.next_power_of_2(first.shape[1]),
@@ -95,43 +96,50 @@ def _compose_triton(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin
                     num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     sample = slices[0].keys
     _, _, heads, head_dim = sample.shape
-    packed, count = _pack_tables(slices, [], torch.empty(0, dtype=torch.int64), sample.device)
-    chunks = len(slices)
+    tables = _index_tables(slices, sample.device)
+    count = sum(s.end - s.begin for s in slices)
     keys = torch.empty((num_layers, count, heads, head_dim), device=sample.device, dtype=sample.dtype)
     values = torch.empty_like(keys)
     _rope_gather_kernel[(count, num_layers)](
-        *torch.split(packed, [chunks, chunks, chunks, count, count]), cos, sin, keys, values, start, count, 0, 0, 0,
+        *tables, cos, sin, keys, values, start, count, 0, 0, 0,
         HEADS=heads, HALF=head_dim // 2, HEADS_POW2=triton.next_power_of_2(heads),
         HALF_POW2=triton.next_power_of_2(head_dim // 2), OUT_DTYPE=_TRITON_DTYPES[sample.dtype], BLOCK_SIZE=1,
         PAGED=False)
     return keys, values
 
 
-def _pack_tables(slices: list[ChunkSlice], cache_ptrs: list[int], block_ids: torch.Tensor,
-                 device: torch.device) -> tuple[torch.Tensor, int]:
-    """The kernel's index tables, built on the host and sent in one copy: per chunk its K and V pointers and row
-    count, per token its chunk and row, then the cache pointers per layer and the block ids."""
+def _index_tables(slices: list[ChunkSlice], device: torch.device, *extra: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's int64 index tables on `device`, built on the host and sent in one copy: per chunk its K and V
+    pointers and row count, per token its chunk and row, then `extra` (cache pointers per layer, block ids).
+    Each table starts 16-byte aligned, so Triton's pointer-alignment specialization never changes between
+    loads (a changed alignment would compile a new kernel variant mid-serving)."""
     dtype = slices[0].keys.dtype
     for s in slices:
         if not (s.keys.is_contiguous() and s.values.is_contiguous() and s.keys.dtype == dtype == s.values.dtype):
             raise ValueError("fused compose needs contiguous chunk tensors of one dtype")
     lengths = torch.tensor([s.end - s.begin for s in slices])
-    chunk_of_token = torch.repeat_interleave(torch.arange(len(slices)), lengths)
-    row_of_token = torch.cat([torch.arange(s.begin, s.end) for s in slices])
-    table = torch.tensor([[s.keys.data_ptr() for s in slices], [s.values.data_ptr() for s in slices],
-                          [s.keys.shape[1] for s in slices]], dtype=torch.int64)
-    host = torch.cat([table.flatten(), chunk_of_token, row_of_token, torch.tensor(cache_ptrs, dtype=torch.int64),
-                      block_ids])
+    tables = [torch.tensor([s.keys.data_ptr() for s in slices], dtype=torch.int64),
+              torch.tensor([s.values.data_ptr() for s in slices], dtype=torch.int64),
+              torch.tensor([s.keys.shape[1] for s in slices], dtype=torch.int64),
+              torch.repeat_interleave(torch.arange(len(slices)), lengths),
+              torch.cat([torch.arange(s.begin, s.end) for s in slices]), *extra]
+    padded = [-(-len(table) // 2) * 2 for table in tables]  # int64 elements: 2 per 16 bytes
+    host = torch.zeros(sum(padded), dtype=torch.int64)
+    offsets = [sum(padded[:i]) for i in range(len(tables))]
+    for offset, table in zip(offsets, tables, strict=True):
+        host[offset : offset + len(table)] = table
     if device.type == "cuda":
         host = host.pin_memory()
-    return host.to(device, non_blocking=True), int(lengths.sum())
-
+    packed = host.to(device, non_blocking=True)
+    return [packed[offset : offset + len(table)] for offset, table in zip(offsets, tables, strict=True)]
 
 
 if triton is not None:
     _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-    @triton.jit
+    # Positions and token counts change with every load: specializing on them (Triton does for ints divisible by
+    # 16 or equal to 1) would compile a new variant mid-serving (~100 ms stalls seen at k=5 and k=10).
+    @triton.jit(do_not_specialize=["start", "count"])
     def _rope_gather_kernel(key_ptrs, value_ptrs, chunk_rows, token_chunk, token_row, cos, sin, out_keys,
                             out_values, start, count, stride_block, stride_head, stride_slot, HEADS: tl.constexpr,
                             HALF: tl.constexpr, HEADS_POW2: tl.constexpr, HALF_POW2: tl.constexpr,
