@@ -360,6 +360,7 @@ def summarize(rows: list[dict], variants: list[Variant]) -> dict:
                 "questions": len(members), "text_nll": mean([r["text_nll"] for r in members]),
                 "kv_nll": mean([r["kv_nll"] for r in members]),
                 "gap": mean([r["kv_nll"] - r["text_nll"] for r in members]),
+                "abs_gap": mean([abs(r["kv_nll"] - r["text_nll"]) for r in members]),
                 "text_f1": mean([r["text_f1"] for r in members]), "kv_f1": mean([r["kv_f1"] for r in members]),
                 "recall": recall}
     return summary
@@ -377,15 +378,17 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']})", "",
              f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
              "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats); gap = kv - text "
-             "(what injection costs, 0 = exact). F1: greedy answers' token F1 against gold.", "",
-             "| variant | questions | text NLL | kv NLL | gap | gap / gap(w=0) | text F1 | kv F1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "(what injection costs, 0 = exact); |gap|: the mean of per-question absolute gaps (a gap of either sign is a "
+             "difference). F1: greedy answers' token F1 against gold.", "",
+             "| variant | questions | text NLL | kv NLL | gap | gap / gap(w=0) | mean abs gap | text F1 | kv F1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = summary.get("w=0", {}).get("overall", {}).get("gap")
     for name in names:
         row = summary[name]["overall"]
         relative = row["gap"] / base if base else float("nan")
         lines.append(f"| {name} | {row['questions']} | {fmt(row['text_nll'])} | {fmt(row['kv_nll'])} | "
-                     f"{fmt(row['gap'])} | {fmt(relative, 2)} | {fmt(row['text_f1'])} | {fmt(row['kv_f1'])} |")
+                     f"{fmt(row['gap'])} | {fmt(relative, 2)} | {fmt(row['abs_gap'])} | {fmt(row['text_f1'])} | "
+                     f"{fmt(row['kv_f1'])} |")
     lines += ["", "Fidelity gap per category (nats/token):", "",
               "| variant | " + " | ".join(f"{c} {n}" for c, n in CATEGORIES.items()) + " | overall |",
               "|---|" + "---:|" * (len(CATEGORIES) + 1)]

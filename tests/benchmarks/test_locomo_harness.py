@@ -1,0 +1,136 @@
+"""The LoCoMo quality harness's own logic: answer metrics, recall, the stratified subset, NLL, variants, the
+per-category summary, resumable results and the report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.locomo import (
+    ResultCache,
+    Variant,
+    answer_nll,
+    build_variants,
+    markdown_report,
+    normalize_answer,
+    order_key,
+    recall_at,
+    stratified_subset,
+    summarize,
+    token_f1,
+)
+from benchmarks.locomo_data import LocomoQuestion
+from inferscale.v1 import memory_pb2 as pb
+
+
+def test_normalize_answer_drops_case_punctuation_and_articles() -> None:
+    assert normalize_answer("The Red-Car, an apple!") == ["redcar", "apple"]
+
+
+def test_token_f1_is_one_for_equal_answers_up_to_normalization() -> None:
+    assert token_f1("A dog.", "the DOG") == 1.0
+
+
+def test_token_f1_is_the_harmonic_mean_of_token_precision_and_recall() -> None:
+    assert token_f1("red car", "a red bike") == pytest.approx(0.5)
+    assert token_f1("red red car", "red") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
+    assert token_f1("blue", "red") == 0.0
+
+
+def test_token_f1_of_an_empty_answer_is_one_only_against_an_empty_gold() -> None:
+    assert token_f1("", "the") == 1.0
+    assert token_f1("", "dog") == 0.0
+
+
+def test_recall_at_k_counts_evidence_turns_covered_by_the_top_k_sources() -> None:
+    ranked = ["D1:2", "D3:1", "D2:1", "D1:2"]
+    assert recall_at(ranked, ("D2:1", "D1:2"), 2) == 0.5
+    assert recall_at(ranked, ("D2:1", "D1:2"), 3) == 1.0
+    assert recall_at(ranked, ("D9:9",), 50) == 0.0
+
+
+def test_recall_at_k_is_none_for_questions_without_evidence() -> None:
+    assert recall_at(["D1:1"], (), 5) is None
+
+
+def _questions(per_category: dict[int, int]) -> list[LocomoQuestion]:
+    return [LocomoQuestion(f"q{category}-{i}", "?", "a", (), category)
+            for category, count in per_category.items() for i in range(count)]
+
+
+def test_stratified_subset_takes_at_most_n_per_category_in_input_order() -> None:
+    questions = _questions({1: 5, 2: 1, 4: 3})
+    subset = stratified_subset(questions, 2, seed=0)
+    assert [q.category for q in subset] == [1, 1, 2, 4, 4]
+    assert subset == sorted(subset, key=questions.index)
+
+
+def test_stratified_subset_is_reproducible_for_a_seed_and_all_questions_without_a_cap() -> None:
+    questions = _questions({1: 20, 3: 20})
+    assert stratified_subset(questions, 3, seed=7) == stratified_subset(questions, 3, seed=7)
+    assert stratified_subset(questions, None, seed=7) == questions
+
+
+def test_answer_nll_is_the_mean_negative_log_probability_of_the_answer_tokens() -> None:
+    logits = torch.zeros(2, 4)
+    logits[0, 1] = math.log(3.0)  # token 1 gets 3/6 = 1/2, token 0 gets 1/6 in row 0; row 1 uniform: 1/4
+    assert answer_nll(logits, [1, 2]) == pytest.approx((math.log(2) + math.log(4)) / 2)
+
+
+def test_build_variants_adds_the_fp8_and_chronological_encodings_of_their_windows() -> None:
+    variants = build_variants([0, -1], fp8_window=5, order_window=-1)
+    assert [(v.name, v.profile_key, v.order) for v in variants] == [
+        ("w=0", (0, "float32"), "ranked"), ("w=all", (-1, "float32"), "ranked"),
+        ("w=5 fp8", (5, "fp8_e4m3"), "ranked"), ("w=all chronological", (-1, "float32"), "chronological")]
+    assert build_variants([20], None, None) == [Variant("w=20", 20)]
+
+
+def test_chronological_order_sorts_facts_by_their_source_turn() -> None:
+    facts = [pb.RetrievedFact(fact_id="late", rank=0), pb.RetrievedFact(fact_id="early", rank=1)]
+    key = order_key("chronological", {"early": 3, "late": 9})
+    assert [f.fact_id for f in sorted(facts, key=key)] == ["early", "late"]
+
+
+def _row(variant: str, question_id: str, category: int, text_nll: float, kv_nll: float, recall5: float | None,
+         kv_f1: float = 0.0) -> dict:
+    return {"variant": variant, "question_id": question_id, "category": category, "text_nll": text_nll,
+            "kv_nll": kv_nll, "text_f1": 1.0, "kv_f1": kv_f1,
+            "recall": {"5": recall5, "10": recall5, "20": recall5, "50": recall5}}
+
+
+def test_summary_gap_is_kv_minus_text_per_category_and_overall() -> None:
+    rows = [_row("w=0", "a", 1, 1.0, 1.5, 1.0), _row("w=0", "b", 1, 2.0, 1.9, None),
+            _row("w=0", "c", 4, 1.0, 1.2, 0.0, kv_f1=1.0), _row("w=5", "a", 1, 1.0, 1.0, 1.0)]
+    summary = summarize(rows, [Variant("w=0", 0), Variant("w=5", 5)])
+    multi_hop, overall = summary["w=0"]["1"], summary["w=0"]["overall"]
+    assert multi_hop["questions"] == 2
+    assert multi_hop["gap"] == pytest.approx((0.5 - 0.1) / 2)
+    assert multi_hop["abs_gap"] == pytest.approx((0.5 + 0.1) / 2)
+    assert multi_hop["recall"]["5"] == 1.0  # the question without evidence is left out, not counted as 0
+    assert overall["gap"] == pytest.approx((0.5 - 0.1 + 0.2) / 3)
+    assert overall["kv_f1"] == pytest.approx(1 / 3)
+    assert summary["w=5"]["overall"]["gap"] == 0.0
+    assert summary["w=5"]["2"]["questions"] == 0 and math.isnan(summary["w=5"]["2"]["gap"])
+
+
+def test_result_cache_resumes_the_rows_of_an_interrupted_run(tmp_path) -> None:
+    path = tmp_path / "per_question.jsonl"
+    first = ResultCache(path)
+    first.put(_row("w=0", "a", 1, 1.0, 1.5, 1.0))
+    first.put(_row("w=5", "a", 1, 1.0, 1.1, 1.0))
+    resumed = ResultCache(path)
+    assert resumed.get("w=5", "a")["kv_nll"] == 1.1
+    assert resumed.get("w=20", "a") is None
+    assert len(resumed.rows) == 2
+
+
+def test_report_gives_each_variants_gap_relative_to_w0_and_marks_empty_categories() -> None:
+    rows = [_row("w=0", "a", 1, 1.0, 1.4, 1.0), _row("w=5", "a", 1, 1.0, 1.1, 1.0)]
+    result = {"summary": summarize(rows, [Variant("w=0", 0), Variant("w=5", 5)]), "model": "m", "k": 50,
+              "conversations": ["conv-a"], "rows": 2}
+    report = markdown_report(result, ["out/fidelity_gap.png"])
+    assert "| w=5 | 1 | 1.000 | 1.100 | 0.100 | 0.25 | 0.100 | 1.000 | 0.000 |" in report
+    assert "| w=0 | 0.400 | n/a | n/a | n/a | 0.400 |" in report
+    assert "![fidelity_gap](fidelity_gap.png)" in report
