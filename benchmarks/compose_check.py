@@ -96,7 +96,7 @@ def check_cache_writes(slices: list[ChunkSlice], cos: torch.Tensor, sin: torch.T
 
     compose_into_cache(slices, start, cos, sin, target)
     backend_write()
-    identical = all(torch.equal(a, b) for a, b in zip(fused_caches, backend_caches))
+    identical = all(torch.equal(a, b) for a, b in zip(fused_caches, backend_caches, strict=True))
     into_ms = median_ms(lambda: compose_into_cache(slices, start, cos, sin, target))
     backend_ms = median_ms(backend_write)
     print(f"     paged cache write, {count} tokens: compose_into_cache {into_ms:.3f} ms vs compose + "

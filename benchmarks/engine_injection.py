@@ -60,7 +60,8 @@ def main() -> None:
     config = json.loads((model_dir / "config.json").read_text())
     stats_path = work / "loads.jsonl"
     settings = {"memory_service": "unused:0", "node_id": "bench", "model_dir": str(model_dir),
-                "profile": {"profile_id": "kvp-synthetic"}, "synthetic_kv": True, "load_stats_path": "" if args.no_load_stats else str(stats_path),
+                "profile": {"profile_id": "kvp-synthetic"}, "synthetic_kv": True,
+                "load_stats_path": "" if args.no_load_stats else str(stats_path),
                 "node_cache_mb": args.node_cache_mb}
     llm = LLM(
         model=str(model_dir), load_format="dummy" if args.shape else "auto", skip_tokenizer_init=True,
@@ -90,7 +91,8 @@ def main() -> None:
         extra = {}
         if mode == "kv":
             chunks = [{"fact_id": "header", "version": 1, "token_ids": header}]
-            chunks += [{"fact_id": f"u{user}-f{i}", "version": 1, "token_ids": fact} for i, fact in zip(chosen, facts)]
+            chunks += [{"fact_id": f"u{user}-f{i}", "version": 1, "token_ids": fact}
+                       for i, fact in zip(chosen, facts, strict=True)]
             extra = {"kv_transfer_params": {"inferscale": {"profile_id": "kvp-synthetic", "user_id": f"u{user}",
                                                            "chunks": chunks}}}
             prompt["cache_salt"] = f"request-{next(counter)}"  # per request: nothing reused from earlier prompts
@@ -139,7 +141,8 @@ def main() -> None:
         row["connector_ms_per_request_p50"] = statistics.median(full) if full else None
         warm_loads = [load for load in loads if load["chunks"] == k + 1 and not load["node_cache_misses"]]
         for phase in ("stage_ms", "compose_ms", "write_ms"):
-            row[f"connector_{phase}_p50"] = statistics.median(l[phase] for l in warm_loads) if warm_loads else None
+            phase_ms = [load[phase] for load in warm_loads]
+            row[f"connector_{phase}_p50"] = statistics.median(phase_ms) if phase_ms else None
         row["connector_loads_measured"] = len(full)
         results["k"][str(k)] = row
         stats_path.unlink(missing_ok=True)

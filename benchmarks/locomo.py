@@ -378,8 +378,8 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']})", "",
              f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
              "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats); gap = kv - text "
-             "(what injection costs, 0 = exact); |gap|: the mean of per-question absolute gaps (a gap of either sign is a "
-             "difference). F1: greedy answers' token F1 against gold.", "",
+             "(what injection costs, 0 = exact); mean abs gap: the mean of per-question absolute gaps (a gap of "
+             "either sign is a difference). F1: greedy answers' token F1 against gold.", "",
              "| variant | questions | text NLL | kv NLL | gap | gap / gap(w=0) | mean abs gap | text F1 | kv F1 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = summary.get("w=0", {}).get("overall", {}).get("gap")

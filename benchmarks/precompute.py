@@ -133,7 +133,8 @@ def main() -> None:
     for row in rows:
         print(f"| {row['variant']} | {row['facts_per_s']:.1f} | {row['facts_per_s'] / base:.2f}× | "
               f"{row['forward_tokens']} |")
-    print(f"\n| storage | bytes/fact (mean {mean_tokens:.1f} tokens) | vs float32 | relative RMS error |\n|---|---:|---:|---:|")
+    print(f"\n| storage | bytes/fact (mean {mean_tokens:.1f} tokens) | vs float32 | relative RMS error |\n"
+          "|---|---:|---:|---:|")
     for dtype, size in sizes.items():
         print(f"| {dtype} | {size:,.0f} | {size / sizes['float32']:.3f} | {errors[dtype]:.2e} |")
     print(f"\nJSON: {args.output}")

@@ -158,7 +158,7 @@ def plot(results: dict, output: Path, title: str) -> list[Path]:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for mode in MODES:
         ks = sorted(int(k) for k in first[mode])
-        for axis, metric in zip(axes, ("query_to_first_token_ms", "engine_ttft_ms")):
+        for axis, metric in zip(axes, ("query_to_first_token_ms", "engine_ttft_ms"), strict=True):
             axis.plot(ks, [first[mode][str(k)][metric]["p50" if metric != "engine_ttft_ms" else "mean"]
                            for k in ks], marker="o", label=mode)
     axes[0].set_ylabel("query-to-first-token p50 (ms)")
@@ -258,7 +258,7 @@ def run_mode(client, model: str, jobs: list[tuple[str, str]], mode: str, k: int,
         offsets = arrival_offsets(len(jobs), float(load[1:]), random.Random(len(jobs)))
         with ThreadPoolExecutor(max_workers=min(len(jobs), 256)) as pool:
             futures = []
-            for offset, job in zip(offsets, jobs):
+            for offset, job in zip(offsets, jobs, strict=True):
                 time.sleep(max(0.0, started + offset - time.perf_counter()))
                 futures.append(pool.submit(ask, job))
             samples = [future.result() for future in futures]

@@ -118,4 +118,5 @@ def test_report_prints_every_contender_and_the_kv_text_ratios(capsys) -> None:
     report({"kv": {"50": row(1)}, "text": {"50": row(4)}, "off": {"50": row(0.5)}}, [50], "test")
     out = capsys.readouterr().out
     assert "k = 50 facts" in out and "Request throughput (req/s)" in out
-    assert "query-to-first-token p50 0.25" in out and "engine TTFT (vLLM mean) 0.25" in out and "throughput 4.00x" in out
+    assert "query-to-first-token p50 0.25" in out and "engine TTFT (vLLM mean) 0.25" in out
+    assert "throughput 4.00x" in out
