@@ -53,6 +53,7 @@ class ServiceConfig:
     kv_lease_seconds: int = 120
     kv_lease_max_facts: int = 64
     kv_max_attempts: int = 3
+    search_cache_mb: int = 256
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
 
@@ -69,6 +70,8 @@ class ServiceConfig:
             raise ConfigError("--max-message-bytes: must be at least 1 MiB")
         if self.kv_host_budget_mb < 0 or self.kv_gpu_budget_mb < 0:
             raise ConfigError("--kv-host-budget-mb / --kv-gpu-budget-mb: must not be negative (0 disables the tier)")
+        if self.search_cache_mb < 0:
+            raise ConfigError("--search-cache-mb: must not be negative (0 searches LanceDB for every query)")
         if self.kv_disk_budget_gb <= 0:
             raise ConfigError("--kv-disk-budget-gb: must be positive (the disk tier is the durable one)")
         if self.kv_lease_seconds < 1 or self.kv_lease_max_facts < 1 or self.kv_max_attempts < 1:
@@ -141,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_env("kv_lease_max_facts", defaults.kv_lease_max_facts), help="largest lease batch")
     parser.add_argument("--kv-max-attempts", type=int, default=_env("kv_max_attempts", defaults.kv_max_attempts),
                         help="leases of one fact before it is marked failed")
+    parser.add_argument("--search-cache-mb", type=int, default=_env("search_cache_mb", defaults.search_cache_mb),
+                        help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
     for limit in dataclasses.fields(Limits):
         parser.add_argument(
             f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
@@ -173,6 +178,7 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_lease_seconds=int(args.kv_lease_seconds),
         kv_lease_max_facts=int(args.kv_lease_max_facts),
         kv_max_attempts=int(args.kv_max_attempts),
+        search_cache_mb=int(args.search_cache_mb),
         limits=limits,
     )
     config.validate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,9 +27,10 @@ def resolve_model_path(model: str) -> str:
 
 
 class Embedder:
-    """Unit-normalized float32 embeddings; `load` must finish before `embed` is called."""
+    """Unit-normalized float32 embeddings; `load` must finish before `embed` or `embed_query` is called."""
 
-    def __init__(self, model: str, device: str, batch_size: int, threads: int) -> None:
+    def __init__(self, model: str, device: str, batch_size: int, threads: int,
+                 observe_query_batch: Callable[[int], None] = lambda size: None) -> None:
         self.model_name = model
         self._device = device
         self._batch_size = batch_size
@@ -37,6 +39,9 @@ class Embedder:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="embed")
         self._model = None
         self.dim = 0
+        self._observe_query_batch = observe_query_batch
+        self._pending_queries: list[tuple[str, asyncio.Future]] = []
+        self._query_drain: asyncio.Task | None = None
 
     def _load_blocking(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,6 +68,35 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_blocking, texts)
+
+    async def embed_query(self, text: str) -> np.ndarray:
+        """One query's [dim] embedding. Queries that arrive while a batch is being embedded wait for it and go
+        together in the next one: one model call per batch instead of per query, with no added delay when idle
+        (under load, per-query calls queue behind each other on the two embedding threads)."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending_queries.append((text, future))
+        if self._query_drain is None:
+            self._query_drain = asyncio.get_running_loop().create_task(self._drain_queries())
+        return await future
+
+    async def _drain_queries(self) -> None:
+        try:
+            while self._pending_queries:
+                batch = self._pending_queries[: self._batch_size]
+                del self._pending_queries[: len(batch)]
+                self._observe_query_batch(len(batch))
+                try:
+                    vectors = await self.embed([text for text, _ in batch])
+                except Exception as error:  # every waiter of the batch gets the failure, the next batch still runs
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                for (_, future), vector in zip(batch, vectors, strict=True):
+                    if not future.done():  # a cancelled caller (deadline, disconnect) is skipped
+                        future.set_result(vector)
+        finally:
+            self._query_drain = None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -31,8 +31,12 @@ class ServiceMetrics:
             buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=self.registry,
         )
         self.embedding_duration = Histogram(
-            "inferscale_embedding_duration_seconds", "time to embed one batch, by purpose", ["purpose"],
+            "inferscale_embedding_duration_seconds", "time to embed an ingest batch, or one query (waiting for its batch included)", ["purpose"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.query_batch_queries = Histogram(
+            "inferscale_query_embedding_batch_queries", "queries embedded together in one model call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry,
         )
         self.retrieval_duration = Histogram(
             "inferscale_retrieval_duration_seconds", "vector search time per query (excluding embedding)",

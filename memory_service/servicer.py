@@ -126,7 +126,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.metrics = metrics
         self.limits = config.limits
         self.embedder = Embedder(
-            config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads
+            config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads,
+            observe_query_batch=metrics.query_batch_queries.observe,
         )
         self.store: FactStore | None = None
         self.kv: KvPipeline | None = None
@@ -134,7 +135,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     async def load(self) -> None:
         await self.embedder.load()
-        store = FactStore(self.config.data_dir, self.config.embedding_model, self.embedder.dim)
+        store = FactStore(self.config.data_dir, self.config.embedding_model, self.embedder.dim,
+                          search_cache_bytes=self.config.search_cache_mb << 20)
         await store.open()
         budgets = KvStoreBudgets(
             gpu_bytes=self.config.kv_gpu_budget_mb << 20,
@@ -172,15 +174,13 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.metrics.facts_stored.set(facts)
         self.metrics.turns_stored.set(turns)
 
-    async def _embed(self, texts: list[str], purpose: str):
-        with self.metrics.embedding_duration.labels(purpose=purpose).time():
+    async def _embed_for_ingest(self, texts: list[str]):
+        with self.metrics.embedding_duration.labels(purpose="ingest").time():
             return await self.embedder.embed(texts)
 
-    async def _embed_for_ingest(self, texts: list[str]):
-        return await self._embed(texts, "ingest")
-
     async def _search(self, user_id: str, query: str, top_k: int):
-        (query_vector,) = await self._embed([query], "query")
+        with self.metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
+            query_vector = await self.embedder.embed_query(query)
         with self.metrics.retrieval_duration.time():
             results = await self._store.search(user_id, query_vector, top_k)
         self.metrics.facts_retrieved.inc(len(results))

@@ -32,6 +32,7 @@ from memory_service.models import (
     StoredFact,
     StoredTurn,
 )
+from memory_service.search_cache import UserFacts, UserFactsCache
 
 log = structlog.get_logger(__name__)
 
@@ -114,7 +115,8 @@ class FactStore:
     reads run concurrently. Acknowledged writes are committed to disk.
     """
 
-    def __init__(self, data_dir: Path, embedding_model: str, embedding_dim: int) -> None:
+    def __init__(self, data_dir: Path, embedding_model: str, embedding_dim: int,
+                 search_cache_bytes: int = 256 << 20) -> None:
         self._data_dir = data_dir
         self._embedding_model = embedding_model
         self._dim = embedding_dim
@@ -124,6 +126,7 @@ class FactStore:
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
         self._user_indexed_tables: set[str] = set()
+        self._search_cache = UserFactsCache(search_cache_bytes)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -262,10 +265,19 @@ class FactStore:
                     schema=facts_schema(self._dim),
                 )
                 await self._commit(self._facts_table, rows)
+                self._search_cache.invalidate(user_id)
             return results
 
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
-        """Exact cosine top-k over the user's facts (prefiltered by user), best first."""
+        """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
+        LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user)."""
+        cached = self._search_cache.get(user_id)
+        if cached is None and self._search_cache.may_hold(user_id):
+            generation = self._search_cache.generation(user_id)
+            cached = await self._user_facts(user_id)
+            self._search_cache.put(user_id, cached, generation)
+        if cached is not None:
+            return cached.top_k(query_vector, top_k)
         rows = await (
             self._facts_table.vector_search(query_vector.astype(np.float32))
             .distance_type("cosine")
@@ -275,6 +287,13 @@ class FactStore:
             .to_list()
         )
         return [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
+
+    async def _user_facts(self, user_id: str) -> UserFacts:
+        table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
+            [*_FACT_COLUMNS, "vector"]).to_arrow()
+        vectors = table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        facts = [_stored_fact(row) for row in table.drop_columns(["vector"]).to_pylist()]
+        return UserFacts(facts, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(facts), self._dim))
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -301,6 +320,7 @@ class FactStore:
                 async with self._commit_lock:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
                     self._writes_since_optimize += 1
+                self._search_cache.invalidate(user_id)
             return found
 
     async def delete_user(self, user_id: str) -> tuple[int, int]:
@@ -315,6 +335,7 @@ class FactStore:
                 if turns:
                     await self._turns_table.delete(condition)
                 self._writes_since_optimize += 1
+            self._search_cache.invalidate(user_id)
             return facts, turns
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:

@@ -107,6 +107,25 @@ def test_delete_user_removes_facts_and_turns(stub) -> None:
     assert (stats.users, stats.facts, stats.turns) == (0, 0, 0)
 
 
+def _searched(stub, user_id: str) -> list[tuple[str, str, int]]:
+    response = stub.SearchFacts(pb.SearchFactsRequest(user_id=user_id, query="Caroline", top_k=10))
+    return sorted((scored.fact.fact_id, scored.fact.text, scored.fact.version) for scored in response.facts)
+
+
+def test_search_sees_every_acknowledged_update_delete_and_new_fact(stub) -> None:
+    user = "rt-fresh"
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=PET_FACTS))
+    assert len(_searched(stub, user)) == 3  # the user's facts are now in the search cache
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+        pb.FactInput(fact_id="job", text="Caroline now teaches art."),
+        pb.FactInput(fact_id="car", text="Caroline drives a van.")]))
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user, fact_ids=["food"]))
+    assert _searched(stub, user) == [("car", "Caroline drives a van.", 1), ("job", "Caroline now teaches art.", 2),
+                                     ("pet", PET_FACTS[0].text, 1)]
+    stub.DeleteUser(pb.DeleteUserRequest(user_id=user))
+    assert _searched(stub, user) == []
+
+
 def test_turn_reingest_overwrites_instead_of_duplicating(stub) -> None:
     turns = [pb.Turn(turn_id=f"D1:{i}", seq=i, session_id="S1", speaker="Jon", text=f"turn {i}") for i in range(5)]
     stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-turns", turns=turns))

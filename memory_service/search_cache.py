@@ -1,0 +1,99 @@
+"""Per-user fact matrices in memory, so that a query's exact top-k is one matrix-vector product instead of a
+LanceDB scan (which costs milliseconds of CPU per query and queues under hundreds of concurrent callers).
+
+LanceDB stays the source of truth: a user's entry is loaded from it on the first search, dropped by every write
+to that user, and only installed when no write to the user happened while it was being read.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from memory_service.models import ScoredFact, StoredFact
+
+_GENERATION_STRIPES = 4096  # write generations per stripe of users: bounded memory, rare needless misses
+
+
+@dataclass(frozen=True)
+class UserFacts:
+    """A user's facts and their unit embeddings, row i belonging to facts[i]."""
+
+    facts: list[StoredFact]
+    vectors: np.ndarray  # [len(facts), dim] float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.vectors.nbytes + sum(len(fact.text) + 256 for fact in self.facts)
+
+    def top_k(self, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
+        """Exact cosine top-k, best first (ties by fact_id, as LanceDB's exact search would return either)."""
+        if not self.facts:
+            return []
+        scores = self.vectors @ query_vector.astype(np.float32)
+        chosen = np.arange(len(scores)) if top_k >= len(scores) else np.argpartition(-scores, top_k - 1)[:top_k]
+        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.facts[i].fact_id))
+        return [ScoredFact(fact=self.facts[i], score=float(scores[i])) for i in ranked]
+
+
+class UserFactsCache:
+    """LRU of UserFacts bounded by bytes. A user larger than the budget is marked until the next write to it and
+    searched in LanceDB meanwhile (`may_hold` is False), so its facts are not read whole for every query.
+
+    Writers call `invalidate(user)` after committing and before acknowledging; readers take `generation(user)`
+    before reading LanceDB and pass it to `put`, which drops the entry if a write came in between.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, UserFacts] = OrderedDict()
+        self._generations = [0] * _GENERATION_STRIPES
+        self._oversize: set[str] = set()
+        self._bytes = 0
+
+    def get(self, user_id: str) -> UserFacts | None:
+        entry = self._entries.get(user_id)
+        if entry is not None:
+            self._entries.move_to_end(user_id)
+        return entry
+
+    def may_hold(self, user_id: str) -> bool:
+        return self.budget_bytes > 0 and user_id not in self._oversize
+
+    def generation(self, user_id: str) -> int:
+        return self._generations[self._stripe(user_id)]
+
+    def put(self, user_id: str, entry: UserFacts, generation: int) -> bool:
+        """Installs `entry` if no write to the user came since `generation` was taken and it fits the budget."""
+        if generation != self.generation(user_id):
+            return False
+        if entry.nbytes > self.budget_bytes:
+            self._oversize.add(user_id)
+            return False
+        self._drop(user_id)
+        self._entries[user_id] = entry
+        self._bytes += entry.nbytes
+        while self._bytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+        return True
+
+    def invalidate(self, user_id: str) -> None:
+        self._generations[self._stripe(user_id)] += 1
+        self._oversize.discard(user_id)
+        self._drop(user_id)
+
+    @staticmethod
+    def _stripe(user_id: str) -> int:
+        return zlib.crc32(user_id.encode()) % _GENERATION_STRIPES
+
+    def _drop(self, user_id: str) -> None:
+        entry = self._entries.pop(user_id, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes

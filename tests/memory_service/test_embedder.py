@@ -1,0 +1,65 @@
+"""Query embeddings: concurrent queries share model calls and get the vectors they would get alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from memory_service.config import DEFAULT_EMBEDDING_MODEL
+from memory_service.embedder import Embedder
+
+QUERIES = [f"what did I say about topic {i}?" for i in range(24)] + ["", "日本語の質問 🙂"]
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    sizes: list[int] = []
+    model = Embedder(DEFAULT_EMBEDDING_MODEL, "cpu", batch_size=16, threads=1, observe_query_batch=sizes.append)
+    asyncio.run(model.load())
+    model.batch_sizes = sizes
+    yield model
+    model.close()
+
+
+def test_concurrent_queries_are_batched_and_match_their_single_embeddings(embedder) -> None:
+    async def run() -> list[np.ndarray]:
+        return await asyncio.gather(*(embedder.embed_query(q) for q in QUERIES))
+
+    embedder.batch_sizes.clear()
+    batched = asyncio.run(run())
+    alone = asyncio.run(embedder.embed(QUERIES))
+    assert sum(embedder.batch_sizes) == len(QUERIES) and max(embedder.batch_sizes) == 16
+    assert len(embedder.batch_sizes) < len(QUERIES)
+    np.testing.assert_allclose(np.stack(batched), alone, atol=1e-5)
+
+
+def test_a_failed_batch_fails_its_queries_and_later_queries_still_embed(embedder, monkeypatch) -> None:
+    real = embedder._embed_blocking
+
+    def fail_on_poison(texts: list[str]) -> np.ndarray:
+        if "poison" in texts:
+            raise RuntimeError("embedding failed")
+        return real(texts)
+
+    monkeypatch.setattr(embedder, "_embed_blocking", fail_on_poison)
+
+    async def run():
+        first = await asyncio.gather(embedder.embed_query("poison"), return_exceptions=True)
+        return first, await embedder.embed_query("a later query")
+
+    (failure,), later = asyncio.run(run())
+    assert isinstance(failure, RuntimeError)
+    assert later.shape == (embedder.dim,)
+
+
+def test_a_cancelled_query_does_not_break_its_batch(embedder) -> None:
+    async def run():
+        cancelled = asyncio.ensure_future(embedder.embed_query("cancel me"))
+        kept = asyncio.ensure_future(embedder.embed_query("keep me"))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        return await kept
+
+    assert asyncio.run(run()).shape == (embedder.dim,)
