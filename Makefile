@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test demo bench-memory bench-precompute bench-serve clean
+.PHONY: install test demo bench-memory bench-precompute bench-serve bench-locomo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench-precompute: install
 
 bench-serve: install
 	$(PY) -m benchmarks.serve
+
+# Needs the LoCoMo data (../shared/data/locomo/locomo-dev6.json by default; --data PATH for another copy).
+bench-locomo: install
+	$(PY) -m benchmarks.locomo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

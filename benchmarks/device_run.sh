@@ -21,7 +21,7 @@ case $stage in
   throughput)
     python3 -m benchmarks.serve "${common[@]}" --k 50 --users 128 --facts-per-user 50 --requests 256 \
       --concurrency 128 --output "$out/serve-throughput" \
-      --service-flags "--embedding-threads 2 --kv-host-budget-mb 36000" \
+      --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
       --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --node-cache-mb 40000" \
       2>&1 | grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$" | tee "$out/serve-throughput.txt" ;;
   *) echo "unknown stage: $stage" >&2; exit 2 ;;

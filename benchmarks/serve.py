@@ -167,7 +167,7 @@ def plot(results: dict, output: Path, title: str) -> list[Path]:
         axis.set_xlabel("facts retrieved (k)")
         axis.legend()
         axis.grid(alpha=0.3)
-    figure.suptitle(f"InferScale, {next(iter(results))}: {title}", fontsize=9)
+    figure.suptitle(f"InferScale, {describe(next(iter(results)))}: {title}", fontsize=9)
     figure.tight_layout()
     paths.append(output / "ttft_vs_k.png")
     figure.savefig(paths[-1], dpi=120)
