@@ -17,7 +17,12 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.dummy_model import LLAMA3_8B
-from inference_node.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
+from inference_node.compose import (
+    ChunkSlice,
+    PagedCaches,
+    compose_into_cache,
+    compose_prefix,
+)
 from inferscale_kv.rope import RotaryTables
 
 

@@ -34,11 +34,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
-from benchmarks.locomo_data import CATEGORIES, DEFAULT_LOCOMO, LocomoConversation, LocomoQuestion, load_locomo
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from tqdm import tqdm
+
+from benchmarks.locomo_data import (
+    CATEGORIES,
+    DEFAULT_LOCOMO,
+    LocomoConversation,
+    LocomoQuestion,
+    load_locomo,
+)
 
 ANSWER_INSTRUCTION = "Answer the question in a few words, using the facts you remember."
 RECALL_AT = (5, 10, 20, 50)
@@ -376,10 +382,10 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     summary = result["summary"]
     names = list(summary)
     lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']})", "",
-             f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
-             "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats); gap = kv - text "
-             "(what injection costs, 0 = exact); mean abs gap: the mean of per-question absolute gaps (a gap of "
-             "either sign is a difference). F1: greedy answers' token F1 against gold.", "",
+             (f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
+              "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats); gap = kv - text "
+              "(what injection costs, 0 = exact); mean abs gap: the mean of per-question absolute gaps (a gap of "
+              "either sign is a difference). F1: greedy answers' token F1 against gold."), "",
              "| variant | questions | text NLL | kv NLL | gap | gap / gap(w=0) | mean abs gap | text F1 | kv F1 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = summary.get("w=0", {}).get("overall", {}).get("gap")

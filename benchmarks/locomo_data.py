@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from inferscale.v1 import memory_pb2 as pb
@@ -38,7 +38,7 @@ class LocomoConversation:
 
 def parse_session_date(text: str) -> datetime:
     """LoCoMo's session dates ("1:56 pm on 8 May, 2023"), as UTC."""
-    return datetime.strptime(text.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=timezone.utc)
+    return datetime.strptime(text.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC)
 
 
 def evidence_ids(raw: list[str]) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -33,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
 from tqdm import tqdm
 
 from benchmarks.dummy_model import SHAPES, build_dummy_model
@@ -41,8 +44,6 @@ from benchmarks.stats import percentiles_ms
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
 from inference_node.launcher import InferenceNodeProcess
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.progress import wait_for_kv
 
@@ -249,7 +250,7 @@ def run_mode(client, model: str, jobs: list[tuple[str, str]], mode: str, k: int,
              base_url: str) -> dict:
     """One contender at one load: "c<N>" = closed loop with N in flight, "r<R>" = open loop at R requests/s."""
     before = node_counters(base_url)
-    ask = lambda job: one_request(client, model, job[0], job[1], mode, k, max_tokens)  # noqa: E731
+    ask = lambda job: one_request(client, model, job[0], job[1], mode, k, max_tokens)
     started = time.perf_counter()
     if load.startswith("c"):
         with ThreadPoolExecutor(max_workers=int(load[1:])) as pool:
@@ -382,7 +383,7 @@ def describe(load: str) -> str:
 
 
 def ratio(kv: float, text: float) -> str:
-    return f"{kv / text:.2f}" if text and text == text and kv == kv else "n/a"
+    return f"{kv / text:.2f}" if text and not math.isnan(text) and not math.isnan(kv) else "n/a"
 
 
 def report(results: dict, ks: list[int], title: str) -> None:

@@ -87,7 +87,7 @@ class Embedder:
                 self._observe_query_batch(len(batch))
                 try:
                     vectors = await self.embed([text for text, _ in batch])
-                except Exception as error:  # every waiter of the batch gets the failure, the next batch still runs
+                except Exception as error:  # noqa: BLE001 -- every waiter gets the failure; the next batch runs
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(error)
