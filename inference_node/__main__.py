@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fetch node-cache misses inside the engine step instead of while the request waits")
     parser.add_argument("--load-stats-path", default=_env("load_stats_path", ""),
                         help="benchmarks only: append per-load timings (JSON lines; synchronizes the device per load)")
+    parser.add_argument("--user-header", default=_env("user_header", ""),
+                        help="request header naming the caller's user (set by your authenticating gateway); when set, "
+                        "memory.user_id must equal it")
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     return parser
 
@@ -66,7 +69,7 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
                             default_top_k=args.memory_top_k, retrieve_timeout_s=args.retrieve_timeout_s,
                             fetch_timeout_s=args.fetch_timeout_s, async_loads=not args.no_async_loads,
-                            load_stats_path=args.load_stats_path)
+                            load_stats_path=args.load_stats_path, user_header=args.user_header)
     transfer = {
         "kv_connector": "InferScaleConnector",
         "kv_connector_module_path": "inference_node.connector",

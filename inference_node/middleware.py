@@ -24,6 +24,7 @@ from inference_node.memory_prompt import cache_salt, plan_memory, system_content
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.call_credentials import NODE_TOKEN_ENV, bearer_metadata
 from inferscale_kv.layout import memory_header_ids, memory_header_text
 
 MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
@@ -58,6 +59,11 @@ def parse_memory(memory: Any, settings: NodeSettings) -> tuple[str, int, str]:
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= settings.max_top_k:
         raise MemoryRequestError(f"memory.top_k: must be an integer in [1, {settings.max_top_k}]")
     return user_id, top_k, mode
+
+
+def _header(scope: Scope, name: str) -> str | None:
+    wanted = name.lower().encode()
+    return next((value.decode("latin-1") for key, value in scope.get("headers", []) if key.lower() == wanted), None)
 
 
 def _text_of(content: Any) -> str:
@@ -119,6 +125,12 @@ class MemoryMiddleware:
         except MemoryRequestError as exc:
             await _send_error(send, 400, str(exc))
             return
+        if self.settings.user_header and _header(scope, self.settings.user_header) != user_id:
+            # The gateway in front of the node authenticated the caller and named its user in this header: a
+            # client cannot reach any other user's memory, whatever its body says.
+            await _send_error(send, 403, f"memory.user_id: must be the user named by the {self.settings.user_header}"
+                                         " header")
+            return
         REQUESTS.labels(mode=mode).inc()
         summary: dict[str, Any] = {"mode": mode}
         if mode != "off":
@@ -140,7 +152,8 @@ class MemoryMiddleware:
         try:
             response = await self._stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
                 user_id=user_id, query=query[:2000], top_k=top_k, profile=self._profile,
-                node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s)
+                node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s,
+                metadata=bearer_metadata(NODE_TOKEN_ENV))
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)

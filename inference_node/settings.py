@@ -34,6 +34,9 @@ class NodeSettings:
     async_loads: bool = True
     # When set, the worker-side connector appends one JSON line per load (tokens, milliseconds) to this file.
     load_stats_path: str = ""
+    # When set, a request's memory.user_id must equal this request header's value, set by the authenticating
+    # gateway in front of the node; requests without it, or naming another user, get HTTP 403.
+    user_header: str = ""
 
     @property
     def profile_id(self) -> str:

@@ -126,11 +126,10 @@ class KvStager:
     def _memory_stub(self):
         with self._stub_lock:
             if self._stub is None:
-                import grpc
-
                 from inferscale.v1 import memory_pb2_grpc
+                from inferscale_kv.call_credentials import NODE_TOKEN_ENV, memory_service_channel
 
-                channel = grpc.insecure_channel(self.settings.memory_service,
-                                                options=[("grpc.max_receive_message_length", 256 << 20)])
+                channel = memory_service_channel(self.settings.memory_service, NODE_TOKEN_ENV,
+                                                 options=[("grpc.max_receive_message_length", 256 << 20)])
                 self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
             return self._stub

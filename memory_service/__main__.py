@@ -7,6 +7,7 @@ import sys
 
 import structlog
 
+from memory_service.access import AccessControl
 from memory_service.config import ConfigError, load_config
 from memory_service.logs import configure_logging
 from memory_service.server import serve
@@ -15,6 +16,7 @@ from memory_service.server import serve
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
+        AccessControl.from_file(config.auth_file)
     except ConfigError as exc:
         print(f"memory_service: {exc}", file=sys.stderr)
         return 2

@@ -54,6 +54,7 @@ class ServiceConfig:
     kv_lease_max_facts: int = 64
     kv_max_attempts: int = 3
     search_cache_mb: int = 256
+    auth_file: Path | None = None
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
 
@@ -91,6 +92,7 @@ class ServiceConfig:
     def as_log_fields(self) -> dict[str, object]:
         fields = dataclasses.asdict(self)
         fields["data_dir"] = str(self.data_dir)
+        fields["auth_file"] = str(self.auth_file) if self.auth_file else None
         return fields
 
 
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="leases of one fact before it is marked failed")
     parser.add_argument("--search-cache-mb", type=int, default=_env("search_cache_mb", defaults.search_cache_mb),
                         help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
+    parser.add_argument("--auth-file", default=_env("auth_file", None),
+                        help="credentials (JSON; see memory_service/access.py); unset: every caller is admitted")
     for limit in dataclasses.fields(Limits):
         parser.add_argument(
             f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
@@ -179,6 +183,7 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_lease_max_facts=int(args.kv_lease_max_facts),
         kv_max_attempts=int(args.kv_max_attempts),
         search_cache_mb=int(args.search_cache_mb),
+        auth_file=Path(args.auth_file) if args.auth_file else None,
         limits=limits,
     )
     config.validate()

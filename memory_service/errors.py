@@ -33,11 +33,21 @@ class NotReady(MemoryServiceError):
     """The service is still loading its storage or embedder."""
 
 
+class Unauthenticated(MemoryServiceError):
+    """The call carries no credential, or one the service does not know."""
+
+
+class PermissionDenied(MemoryServiceError):
+    """The caller's credential does not allow this call or these users."""
+
+
 _STATUS_BY_ERROR: dict[type[MemoryServiceError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     NotReady: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

@@ -65,7 +65,7 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     await server.start()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
-    log.info("listening", port=port, metrics_port=config.metrics_port)
+    log.info("listening", port=port, metrics_port=config.metrics_port, access_control=servicer.access.enabled)
 
     maintenance: asyncio.Task | None = None
     try:

@@ -16,6 +16,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from memory_service.access import AccessControl
 from memory_service.config import ServiceConfig
 from memory_service.embedder import Embedder
 from memory_service.errors import InvalidArgument, MemoryServiceError, NotFound, NotReady, status_code_for
@@ -80,7 +81,7 @@ def _fact_message(fact: StoredFact) -> pb.Fact:
 
 
 def rpc(handler: Handler) -> Handler:
-    """Wraps a servicer method: request id and logging context, readiness, metrics, error mapping.
+    """Wraps a servicer method: request id and logging context, access control, readiness, metrics, error mapping.
 
     This is the only place where domain errors become gRPC status codes.
     """
@@ -99,6 +100,9 @@ def rpc(handler: Handler) -> Handler:
         code = grpc.StatusCode.OK
         error: BaseException | None = None
         try:
+            principal = self.access.authenticate(metadata)
+            structlog.contextvars.bind_contextvars(caller=principal.name)
+            principal.authorize(method, request)
             if not self.ready:
                 raise NotReady("the memory service is starting; retry shortly")
             return await handler(self, request, context)
@@ -125,6 +129,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.config = config
         self.metrics = metrics
         self.limits = config.limits
+        self.access = AccessControl.from_file(config.auth_file)
         self.embedder = Embedder(
             config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads,
             observe_query_batch=metrics.query_batch_queries.observe,

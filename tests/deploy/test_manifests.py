@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from inferscale_kv.call_credentials import NODE_TOKEN_ENV, WORKER_TOKEN_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((REPO_ROOT / "deploy" / "k8s").glob("*.yaml"))
 DOCKERFILES = sorted((REPO_ROOT / "deploy" / "docker").glob("*.Dockerfile"))
@@ -53,9 +55,10 @@ def _bin(name: str) -> str:
 
 
 def _unknown_prefixed_variables(environment: dict[str, str], prefix: str, parser) -> list[str]:
-    """Variables with the program's prefix that name none of its flags (a typo the program would ignore)."""
+    """Variables with the program's prefix that name none of its flags nor its token (a typo the program would
+    ignore)."""
     destinations = {action.dest for action in parser._actions}
-    return [name for name in environment if name.startswith(prefix)
+    return [name for name in environment if name.startswith(prefix) and name not in (WORKER_TOKEN_ENV, NODE_TOKEN_ENV)
             and name[len(prefix):].lower() not in destinations]
 
 
@@ -85,6 +88,9 @@ def test_memory_service_config_loader_accepts_the_manifest_and_serves_on_its_por
     assert _unknown_prefixed_variables(environment, service_config.ENV_PREFIX, parser) == []
     loaded = service_config.load_config(container.get("args", []))
     loaded.validate()
+    monkeypatch.setenv("INFERSCALE_AUTH_FILE", "/etc/inferscale/credentials.json")  # the commented-out setting
+    assert service_config.load_config([]).auth_file.parent.as_posix() in {
+        mount["mountPath"] for mount in container["volumeMounts"]}
     ports = _container_ports(container)
     assert ports == {"grpc": loaded.port, "metrics": loaded.metrics_port}
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}

@@ -1,0 +1,134 @@
+"""Access control: who is calling (a bearer token from a credentials file) and what that caller may touch.
+
+Credentials file (JSON, `--auth-file`), tokens stored only as SHA-256 hex digests:
+
+    {"credentials": [
+      {"name": "acme-app", "role": "app", "user_prefix": "acme/", "token_sha256": "9f86d0..."},
+      {"name": "node-pool", "role": "node", "user_prefix": "", "token_sha256": "..."},
+      {"name": "workers", "role": "worker", "token_sha256": "..."}]}
+
+Roles name the RPCs a credential may call; `user_prefix` is its tenant's user namespace: every user_id it names must
+start with it ("" = every user). Workers and admins see every user's facts by nature, so they take no prefix.
+`python -m memory_service.access` prints the digest of a token read from standard input.
+Health and reflection are not behind this check: they carry no user data, and probes and operators need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferscale_kv.call_credentials import AUTHORIZATION_KEY, BEARER_PREFIX
+from memory_service.config import ConfigError
+from memory_service.errors import PermissionDenied, Unauthenticated
+
+# The RPCs each role may call. Apps own their users' data; nodes read it on the request path; workers fill in KV.
+ROLE_METHODS: dict[str, frozenset[str]] = {
+    "app": frozenset({"IngestTurns", "IngestFacts", "SearchFacts", "ListFacts", "DeleteFacts", "DeleteUser",
+                      "GetStats"}),
+    "node": frozenset({"RetrieveAndStage", "FetchKv", "AnnounceProfile"}),
+    "worker": frozenset({"AnnounceProfile", "LeaseKvWork", "CompleteKvWork", "GetStats"}),
+}
+ALL_USERS_ROLES = frozenset({"worker", "admin"})
+ROLES = frozenset(ROLE_METHODS) | {"admin"}
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller."""
+
+    name: str
+    role: str
+    user_prefix: str
+    token_sha256: str
+
+    def authorize(self, method: str, request: object) -> None:
+        """Raises PermissionDenied unless this caller may call `method` for the users `request` names."""
+        if self.role != "admin" and method not in ROLE_METHODS[self.role]:
+            raise PermissionDenied(f"credential {self.name!r} (role {self.role}) may not call {method}")
+        if not self.user_prefix or "user_id" not in request.DESCRIPTOR.fields_by_name:
+            return
+        user_id = request.user_id
+        if not user_id and method == "GetStats":
+            raise PermissionDenied(f"GetStats: credential {self.name!r} must name one of its users (user_id)")
+        if user_id and not user_id.startswith(self.user_prefix):
+            raise PermissionDenied(f"user_id {user_id!r} is outside credential {self.name!r}'s users "
+                                   f"(prefix {self.user_prefix!r})")
+
+
+OPEN_ACCESS = Principal(name="anonymous", role="admin", user_prefix="", token_sha256="")
+
+
+class AccessControl:
+    """Authenticates calls by their bearer token. Without credentials every call is admitted (development)."""
+
+    def __init__(self, principals: Iterable[Principal] = ()) -> None:
+        self.principals = tuple(principals)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.principals)
+
+    @classmethod
+    def from_file(cls, path: Path | None) -> AccessControl:
+        if path is None:
+            return cls()
+        try:
+            entries = json.loads(Path(path).read_text())["credentials"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--auth-file {path}: not a credentials file ({exc})") from exc
+        principals = [_principal(entry, index, path) for index, entry in enumerate(entries)]
+        if not principals:
+            raise ConfigError(f"--auth-file {path}: no credentials (omit the flag to run without access control)")
+        names = [principal.name for principal in principals]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--auth-file {path}: credential names must be unique")
+        if len({principal.token_sha256 for principal in principals}) != len(principals):
+            raise ConfigError(f"--auth-file {path}: two credentials share a token")
+        return cls(principals)
+
+    def authenticate(self, metadata: dict[str, str]) -> Principal:
+        """The caller named by the call's `authorization: Bearer <token>` metadata; Unauthenticated otherwise."""
+        if not self.enabled:
+            return OPEN_ACCESS
+        header = metadata.get(AUTHORIZATION_KEY, "")
+        if not header.startswith(BEARER_PREFIX):
+            raise Unauthenticated("missing credential: send `authorization: Bearer <token>` metadata")
+        presented = token_digest(header[len(BEARER_PREFIX):]).encode()
+        matched: Principal | None = None
+        for principal in self.principals:  # every digest is compared, so timing does not tell which one matched
+            if hmac.compare_digest(presented, principal.token_sha256.encode()):
+                matched = principal
+        if matched is None:
+            raise Unauthenticated("unknown credential")
+        return matched
+
+
+def _principal(entry: object, index: int, path: Path) -> Principal:
+    where = f"--auth-file {path}: credentials[{index}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: must be an object")
+    name, role = entry.get("name"), entry.get("role")
+    prefix, digest = entry.get("user_prefix", ""), str(entry.get("token_sha256", "")).lower()
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name: required")
+    if role not in ROLES:
+        raise ConfigError(f"{where}.role: one of {', '.join(sorted(ROLES))}")
+    if not isinstance(prefix, str) or (prefix and role in ALL_USERS_ROLES):
+        raise ConfigError(f"{where}.user_prefix: a string, and empty for role {role} (it sees every user)")
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ConfigError(f"{where}.token_sha256: the token's SHA-256 as 64 hex digits")
+    return Principal(name=name, role=role, user_prefix=prefix, token_sha256=digest)
+
+
+if __name__ == "__main__":
+    print(token_digest(sys.stdin.readline().rstrip("\n")))

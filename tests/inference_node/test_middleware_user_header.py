@@ -1,0 +1,66 @@
+"""The middleware binds memory.user_id to the gateway's user header when --user-header is set. A recording ASGI app
+stands in for vLLM (the real node's HTTP behaviour is in test_node_http)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from inference_node.middleware import MemoryMiddleware
+from inference_node.settings import SETTINGS_ENV, NodeSettings
+
+PROFILE = {"profile_id": "p", "model": "m", "kv_dtype": "float32"}
+
+
+class RecordingApp:
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.bodies.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def _post(middleware: MemoryMiddleware, body: dict, headers: list[tuple[bytes, bytes]]) -> int:
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    asyncio.run(middleware(scope, receive, send))
+    return sent[0]["status"]
+
+
+@pytest.fixture
+def guarded(monkeypatch) -> tuple[MemoryMiddleware, RecordingApp]:
+    settings = NodeSettings(memory_service="127.0.0.1:1", node_id="n", model_dir="/nonexistent", profile=PROFILE,
+                            user_header="x-authenticated-user")
+    monkeypatch.setenv(SETTINGS_ENV, settings.to_json())
+    app = RecordingApp()
+    return MemoryMiddleware(app), app
+
+
+def _request(user_id: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "memory": {"user_id": user_id, "mode": "off"}}
+
+
+def test_a_request_naming_another_user_than_the_gateway_header_is_refused_before_vllm(guarded):
+    middleware, app = guarded
+    assert _post(middleware, _request("globex/ana"), [(b"x-authenticated-user", b"acme/maya")]) == 403
+    assert _post(middleware, _request("acme/maya"), []) == 403
+    assert app.bodies == []
+
+
+def test_a_request_naming_the_gateway_users_own_memory_is_served(guarded):
+    middleware, app = guarded
+    assert _post(middleware, _request("acme/maya"), [(b"X-Authenticated-User", b"acme/maya")]) == 200
+    assert len(app.bodies) == 1 and "memory" not in app.bodies[0]

@@ -1,0 +1,170 @@
+"""Access control: bearer tokens from a credentials file, roles per RPC, tenants' user namespaces; unit checks of
+the policy, then a real memory service started with --auth-file."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.call_credentials import WORKER_TOKEN_ENV
+from memory_service.access import AccessControl, token_digest
+from memory_service.config import ConfigError
+from memory_service.errors import PermissionDenied, Unauthenticated
+from memory_service.launcher import MemoryServiceProcess
+from tests.conftest import run_worker
+
+TOKENS = {"acme-app": "acme-secret", "globex-app": "globex-secret", "nodes": "node-secret",
+          "workers": "worker-secret", "ops": "admin-secret"}
+CREDENTIALS = [
+    {"name": "acme-app", "role": "app", "user_prefix": "acme/", "token_sha256": token_digest(TOKENS["acme-app"])},
+    {"name": "globex-app", "role": "app", "user_prefix": "globex/",
+     "token_sha256": token_digest(TOKENS["globex-app"])},
+    {"name": "nodes", "role": "node", "user_prefix": "", "token_sha256": token_digest(TOKENS["nodes"])},
+    {"name": "workers", "role": "worker", "token_sha256": token_digest(TOKENS["workers"])},
+    {"name": "ops", "role": "admin", "token_sha256": token_digest(TOKENS["ops"])},
+]
+
+
+def _bearer(name: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {TOKENS[name]}"}
+
+
+def _access() -> AccessControl:
+    return AccessControl.from_file(_write(Path(tempfile.mkdtemp()), CREDENTIALS))
+
+
+def _write(directory: Path, credentials: list[dict]) -> Path:
+    path = directory / "credentials.json"
+    path.write_text(json.dumps({"credentials": credentials}))
+    return path
+
+
+def test_authenticate_returns_the_credential_whose_token_was_presented():
+    access = _access()
+    assert access.authenticate(_bearer("globex-app")).name == "globex-app"
+    assert access.authenticate(_bearer("ops")).role == "admin"
+
+
+@pytest.mark.parametrize("metadata", [{}, {"authorization": "acme-secret"}, {"authorization": "Bearer wrong"},
+                                      {"authorization": "Bearer "}])
+def test_authenticate_rejects_missing_malformed_and_unknown_tokens(metadata):
+    with pytest.raises(Unauthenticated):
+        _access().authenticate(metadata)
+
+
+def test_without_credentials_every_caller_is_admitted_as_admin():
+    principal = AccessControl().authenticate({})
+    principal.authorize("FetchKv", pb.FetchKvRequest(user_id="anyone"))
+    assert principal.role == "admin"
+
+
+def test_an_app_may_touch_only_users_under_its_prefix():
+    acme = _access().authenticate(_bearer("acme-app"))
+    acme.authorize("IngestFacts", pb.IngestFactsRequest(user_id="acme/maya"))
+    with pytest.raises(PermissionDenied, match="outside credential 'acme-app'"):
+        acme.authorize("SearchFacts", pb.SearchFactsRequest(user_id="globex/maya"))
+    with pytest.raises(PermissionDenied, match="must name one of its users"):
+        acme.authorize("GetStats", pb.GetStatsRequest())
+
+
+@pytest.mark.parametrize(("name", "method", "request_message"), [
+    ("acme-app", "FetchKv", pb.FetchKvRequest(user_id="acme/maya")),
+    ("acme-app", "RetrieveAndStage", pb.RetrieveAndStageRequest(user_id="acme/maya")),
+    ("acme-app", "LeaseKvWork", pb.LeaseKvWorkRequest()),
+    ("nodes", "IngestFacts", pb.IngestFactsRequest(user_id="acme/maya")),
+    ("nodes", "DeleteUser", pb.DeleteUserRequest(user_id="acme/maya")),
+    ("workers", "SearchFacts", pb.SearchFactsRequest(user_id="acme/maya")),
+])
+def test_a_role_may_call_only_its_own_rpcs(name, method, request_message):
+    with pytest.raises(PermissionDenied, match=f"may not call {method}"):
+        _access().authenticate(_bearer(name)).authorize(method, request_message)
+
+
+@pytest.mark.parametrize(("credentials", "problem"), [
+    ([], "no credentials"),
+    ([{**CREDENTIALS[0], "token_sha256": "acme-secret"}], "token_sha256"),
+    ([{**CREDENTIALS[3], "user_prefix": "acme/"}], "user_prefix"),
+    ([{**CREDENTIALS[0], "role": "root"}], "role"),
+    ([CREDENTIALS[0], {**CREDENTIALS[1], "name": "acme-app"}], "unique"),
+    ([CREDENTIALS[0], {**CREDENTIALS[1], "token_sha256": CREDENTIALS[0]["token_sha256"]}], "share a token"),
+])
+def test_a_bad_credentials_file_is_refused_with_the_reason(tmp_path, credentials, problem):
+    with pytest.raises(ConfigError, match=problem):
+        AccessControl.from_file(_write(tmp_path, credentials))
+
+
+# ---------------------------------------------------------------------------------------------- a real service
+
+@pytest.fixture(scope="module")
+def guarded_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
+    root = tmp_path_factory.mktemp("guarded")
+    service = MemoryServiceProcess(root / "data", root / "service.log", "--auth-file",
+                                   str(_write(root, CREDENTIALS))).start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded_stub(guarded_service) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
+    with guarded_service.channel() as channel:
+        yield memory_pb2_grpc.MemoryServiceStub(channel)
+
+
+def _metadata(name: str) -> tuple[tuple[str, str], ...]:
+    return tuple(_bearer(name).items())
+
+
+def _facts_of(stub, user_id: str) -> list[str]:
+    response = stub.ListFacts(pb.ListFactsRequest(user_id=user_id), metadata=_metadata("ops"))
+    return [fact.text for fact in response.facts]
+
+
+def test_service_rejects_a_call_without_a_token_as_unauthenticated(guarded_stub):
+    with pytest.raises(grpc.RpcError) as error:
+        guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="acme/maya", facts=[pb.FactInput(text="x")]))
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization: Bearer" in error.value.details()
+
+
+def test_service_refuses_another_tenants_user_and_stores_nothing(guarded_stub):
+    with pytest.raises(grpc.RpcError) as error:
+        guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="globex/ana", facts=[pb.FactInput(text="Ana's secret")]),
+                                 metadata=_metadata("acme-app"))
+    assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert _facts_of(guarded_stub, "globex/ana") == []
+
+
+def test_service_lets_each_app_read_only_its_own_users(guarded_stub):
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="acme/maya", facts=[pb.FactInput(text="Maya has a cat.")]),
+                             metadata=_metadata("acme-app"))
+    found = guarded_stub.SearchFacts(pb.SearchFactsRequest(user_id="acme/maya", query="pet", top_k=5),
+                                     metadata=_metadata("acme-app"))
+    assert [hit.fact.text for hit in found.facts] == ["Maya has a cat."]
+    with pytest.raises(grpc.RpcError) as error:
+        guarded_stub.SearchFacts(pb.SearchFactsRequest(user_id="acme/maya", query="pet", top_k=5),
+                                 metadata=_metadata("globex-app"))
+    assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_service_keeps_health_open_to_probes_without_a_token(guarded_service):
+    with guarded_service.channel() as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_worker_with_its_token_from_the_environment_computes_kv(guarded_service, guarded_stub, tiny_llama_dir,
+                                                               monkeypatch):
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="acme/leo", facts=[pb.FactInput(text="Leo bakes bread.")]),
+                             metadata=_metadata("acme-app"))
+    monkeypatch.setenv(WORKER_TOKEN_ENV, TOKENS["workers"])
+    run_worker(guarded_service, tiny_llama_dir)
+    stats = guarded_stub.GetStats(pb.GetStatsRequest(), metadata=_metadata("workers"))
+    assert [profile.done for profile in stats.profiles] == [stats.facts]
