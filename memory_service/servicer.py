@@ -80,6 +80,11 @@ def _fact_message(fact: StoredFact) -> pb.Fact:
     return message
 
 
+def _usable_request_id(candidate: str | None) -> bool:
+    """A client's request id is echoed in trailing metadata, so it must be a valid metadata value."""
+    return bool(candidate) and len(candidate) <= 128 and all(" " <= char <= "~" for char in candidate)
+
+
 def rpc(handler: Handler) -> Handler:
     """Wraps a servicer method: request id and logging context, access control, readiness, metrics, error mapping.
 
@@ -90,7 +95,8 @@ def rpc(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapper(self: MemoryServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = dict(context.invocation_metadata() or ())
-        request_id = metadata.get(REQUEST_ID_KEY) or getattr(request, "request_id", "") or uuid.uuid4().hex
+        request_id = next((candidate for candidate in (metadata.get(REQUEST_ID_KEY), getattr(request, "request_id", ""))
+                           if _usable_request_id(candidate)), None) or uuid.uuid4().hex
         context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(
