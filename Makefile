@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test demo bench-memory bench-precompute bench-serve bench-locomo clean
+.PHONY: install test demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ install: $(INSTALLED)
 
 test: install
 	$(PY) -m pytest
+
+# The long load test (200 RetrieveAndStage callers for 60 s on 1,000 users x 100 facts, ongoing ingest, isolation
+# audit, memory sampling); figures in results/load/full.json.
+test-load: install
+	$(PY) -m pytest -m slow -s tests/memory_service/test_load.py
 
 demo: install
 	$(PY) -m demo

@@ -1,0 +1,178 @@
+"""Load on loopback: concurrent RetrieveAndStage callers plus ongoing ingest against a real memory service, an
+isolation audit over every response (each user's fact texts carry a marker no other user's do), and the service's
+resident memory sampled through the run. `make test` runs a short version; the full one (200 callers for 60 s on
+1,000 users x 100 facts) is `make test-load` (marker `slow`). Throughput and latency are reported, never asserted;
+errors, isolation and memory growth are."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.profile import kv_profile_id
+from memory_service.launcher import MemoryServiceProcess
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"<u(\d{5})>")
+TOPICS = ["hiking", "jazz", "baking", "chess", "sailing", "pottery", "cycling", "poetry", "birds", "tea"]
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    users: int
+    facts_per_user: int
+    callers: int
+    duration_s: float
+    ingest_interval_s: float = 0.1  # one 5-fact IngestFacts call this often, to random users, during the run
+
+
+@dataclass
+class LoadReport:
+    shape: dict
+    calls: int = 0
+    errors: list[str] = field(default_factory=list)
+    isolation_violations: list[str] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+    facts_ingested_during_run: int = 0
+    rss_mib: list[float] = field(default_factory=list)
+
+    def summary(self, wall_s: float) -> dict:
+        latencies = sorted(self.latencies_ms)
+        quantile = (lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]) if latencies else None
+        third = max(1, len(self.rss_mib) // 3)
+        return {"shape": self.shape, "calls": self.calls, "throughput_rps": round(self.calls / wall_s, 1),
+                "p50_ms": round(quantile(0.5), 2) if quantile else None,
+                "p99_ms": round(quantile(0.99), 2) if quantile else None,
+                "mean_ms": round(statistics.fmean(latencies), 2) if latencies else None,
+                "errors": len(self.errors), "isolation_violations": len(self.isolation_violations),
+                "facts_ingested_during_run": self.facts_ingested_during_run,
+                "rss_mib_start": self.rss_mib[0] if self.rss_mib else None,
+                "rss_mib_after_warmup": self.rss_mib[third - 1] if self.rss_mib else None,
+                "rss_mib_end": self.rss_mib[-1] if self.rss_mib else None}
+
+
+def _user(index: int) -> str:
+    return f"load-user-{index:05d}"
+
+
+def _fact_text(user_index: int, fact_index: int, rng: random.Random) -> str:
+    return f"<u{user_index:05d}> fact {fact_index}: enjoys {rng.choice(TOPICS)} on {rng.choice(['weekends', 'evenings'])}"
+
+
+def _profile() -> pb.KvProfile:
+    profile = pb.KvProfile(model="load-test", model_hash="mh", kv_dtype="bfloat16", tokenizer_hash="th",
+                           header_hash="hh", recipe="chunked-rope-cwe", recipe_version=1, context_window=0)
+    profile.profile_id = kv_profile_id(profile)
+    return profile
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def _populate(stub, shape: LoadShape) -> None:
+    rng = random.Random(0)
+    semaphore = asyncio.Semaphore(4)
+
+    async def one_user(index: int) -> None:
+        facts = [pb.FactInput(text=_fact_text(index, n, rng)) for n in range(shape.facts_per_user)]
+        async with semaphore:
+            for start in range(0, len(facts), 100):
+                await stub.IngestFacts(pb.IngestFactsRequest(user_id=_user(index), facts=facts[start:start + 100]),
+                                       timeout=600)
+
+    await asyncio.gather(*(one_user(index) for index in range(shape.users)))
+
+
+async def _run(service: MemoryServiceProcess, shape: LoadShape) -> tuple[LoadReport, float]:
+    report = LoadReport(shape=asdict(shape))
+    profile = _profile()
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        await _populate(stub, shape)
+        deadline = time.monotonic() + shape.duration_s
+
+        async def caller(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < deadline:
+                user_index = rng.randrange(shape.users)
+                started = time.perf_counter()
+                try:
+                    response = await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                        user_id=_user(user_index), query=f"what does the user enjoy, {rng.choice(TOPICS)}?",
+                        top_k=20, profile=profile, node_id=f"node-{seed % 4}"), timeout=30)
+                except grpc.aio.AioRpcError as error:
+                    report.errors.append(f"RetrieveAndStage {error.code().name}: {error.details()}")
+                    continue
+                report.latencies_ms.append((time.perf_counter() - started) * 1000)
+                report.calls += 1
+                for fact in response.facts:
+                    if set(MARKER.findall(fact.text)) != {f"{user_index:05d}"}:
+                        report.isolation_violations.append(f"{_user(user_index)} got {fact.text!r}")
+
+        async def ingester() -> None:
+            rng = random.Random(-1)
+            serial = shape.facts_per_user
+            while time.monotonic() < deadline:
+                index = rng.randrange(shape.users)
+                facts = [pb.FactInput(text=_fact_text(index, serial + n, rng)) for n in range(5)]
+                serial += 5
+                try:
+                    await stub.IngestFacts(pb.IngestFactsRequest(user_id=_user(index), facts=facts), timeout=30)
+                    report.facts_ingested_during_run += len(facts)
+                except grpc.aio.AioRpcError as error:
+                    report.errors.append(f"IngestFacts {error.code().name}: {error.details()}")
+                await asyncio.sleep(shape.ingest_interval_s)
+
+        async def memory_sampler() -> None:
+            while time.monotonic() < deadline:
+                report.rss_mib.append(round(_rss_mib(service.process.pid), 1))
+                await asyncio.sleep(1.0)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(seed) for seed in range(shape.callers)), ingester(), memory_sampler())
+        return report, time.perf_counter() - started
+
+
+def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float) -> dict:
+    service = MemoryServiceProcess(tmp_path / "data", tmp_path / "service.log", "--embedding-threads", "2").start()
+    try:
+        report, wall_s = asyncio.run(_run(service, shape))
+    finally:
+        service.stop()
+    summary = report.summary(wall_s)
+    output = REPO_ROOT / "results" / "load"
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nload {name}: {json.dumps(summary)}")
+    assert report.calls > 0
+    assert report.errors == [], report.errors[:5]
+    assert report.isolation_violations == [], report.isolation_violations[:5]
+    after_warmup, end = summary["rss_mib_after_warmup"], summary["rss_mib_end"]
+    assert end <= after_warmup * (1 + max_rss_growth), f"resident memory grew {after_warmup} -> {end} MiB"
+    return summary
+
+
+def test_short_load_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
+    _load_test(tmp_path, LoadShape(users=40, facts_per_user=20, callers=50, duration_s=10), "short",
+               max_rss_growth=0.25)
+
+
+@pytest.mark.slow
+def test_full_load_200_callers_1000_users_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
+    _load_test(tmp_path, LoadShape(users=1000, facts_per_user=100, callers=200, duration_s=60), "full",
+               max_rss_growth=0.10)
