@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Request size limits; exceeding one is RESOURCE_EXHAUSTED."""
+    """Request size limits and the per-user fact quota; exceeding one is RESOURCE_EXHAUSTED."""
 
     max_facts_per_call: int = 1000
     max_turns_per_call: int = 10_000
@@ -33,6 +33,7 @@ class Limits:
     max_metadata_entries: int = 32
     max_metadata_value_chars: int = 1024
     max_delete_ids: int = 10_000
+    max_facts_per_user: int = 100_000
 
 
 @dataclass(frozen=True)

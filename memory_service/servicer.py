@@ -212,7 +212,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         user_id = validate_id(request.user_id, "user_id")
         facts = validate_facts(request.facts, self.limits)
         self.metrics.ingest_batch_facts.observe(len(facts))
-        results = await self._store.ingest_facts(user_id, facts, self._embed_for_ingest)
+        results = await self._store.ingest_facts(user_id, facts, self._embed_for_ingest,
+                                                 self.limits.max_facts_per_user)
         await self._kv.facts_changed(
             user_id, [(r.fact_id, r.version) for r in results if r.outcome is not IngestOutcome.UNCHANGED]
         )

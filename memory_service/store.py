@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import structlog
 from lancedb.index import BTree
 
+from memory_service.errors import LimitExceeded
 from memory_service.models import (
     IngestOutcome,
     IngestResult,
@@ -222,10 +223,12 @@ class FactStore:
         )
         return {row["fact_id"]: (row["content_hash"], row["version"], row["created_at_us"]) for row in rows}
 
-    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed) -> list[IngestResult]:
+    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed,
+                           max_facts_per_user: int | None = None) -> list[IngestResult]:
         """Creates new facts, bumps the version of changed ones, leaves identical ones alone.
 
         `embed` is an async callable mapping texts to unit vectors; only new or changed facts are embedded.
+        Raises LimitExceeded, storing nothing, when the new facts would take the user past `max_facts_per_user`.
         """
         async with self._user_writes(user_id):
             existing = await self.existing_fact_versions(user_id, [fact.fact_id for fact in facts])
@@ -242,6 +245,12 @@ class FactStore:
                 else:
                     results.append(IngestResult(fact.fact_id, previous[1] + 1, IngestOutcome.UPDATED))
                     to_write.append((fact, previous[1] + 1, previous[2]))
+            created = sum(1 for result in results if result.outcome is IngestOutcome.CREATED)
+            if created and max_facts_per_user is not None:
+                held = await self._facts_table.count_rows(f"user_id = '{user_id}'")
+                if held + created > max_facts_per_user:
+                    raise LimitExceeded("facts", f"user {user_id!r} holds {held} facts; {created} more would pass "
+                                        f"the limit of {max_facts_per_user} per user")
             if to_write:
                 vectors: np.ndarray = await embed([fact.text for fact, _, _ in to_write])
                 rows = pa.Table.from_pylist(
