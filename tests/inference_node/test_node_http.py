@@ -14,6 +14,7 @@ from inference_node.launcher import InferenceNodeProcess
 from inference_node.memory_prompt import plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
+from memory_service.launcher import MemoryServiceProcess
 from tests.conftest import run_worker
 from tests.inference_node.conftest import (
     NODE_FLAGS,
@@ -262,3 +263,23 @@ def test_memory_service_down_answers_without_memory_and_the_engine_lives(node, n
     assert degraded.summary["error"].startswith("memory service")
     plain = complete(node, QUESTION, None)
     _assert_same_generation(degraded, plain)
+
+
+def test_memory_comes_back_when_the_memory_service_returns(node, node_memory_service) -> None:
+    if node_memory_service.process.poll() is None:
+        node_memory_service.stop()
+    returned = MemoryServiceProcess(node_memory_service.data_dir, node_memory_service.log_path, "--kv-host-budget-mb",
+                                    "0")
+    returned.port = node_memory_service.port  # the address the node knows
+    returned.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            answer = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
+            if "error" not in answer.summary or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert "error" not in answer.summary, answer.summary
+        assert answer.summary["kv_facts"] == 1
+    finally:
+        returned.stop()
