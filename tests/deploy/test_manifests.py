@@ -62,6 +62,20 @@ def _unknown_prefixed_variables(environment: dict[str, str], prefix: str, parser
             and name[len(prefix):].lower() not in destinations]
 
 
+def _parser_under_manifest_environment(kind: str, name: str, command: list[str], module: str, monkeypatch):
+    """The program's container and its flag parser, built with the container's environment as the program sees
+    it; fails on an environment variable with the program's prefix that names none of its flags."""
+    container = _container(kind, name)
+    assert container["command"] == command
+    environment = _environment(container)
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    program = importlib.import_module(module)
+    parser = program.build_parser()
+    assert _unknown_prefixed_variables(environment, program.ENV_PREFIX, parser) == []
+    return container, parser
+
+
 def test_manifests_pass_kubernetes_validate_strict():
     result = subprocess.run([_bin("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION, *map(str, MANIFESTS)],
                             check=False, capture_output=True, text=True, timeout=300)
@@ -79,13 +93,9 @@ def test_apply_order_creates_the_namespace_first_and_everything_lives_in_it():
 def test_memory_service_config_loader_accepts_the_manifest_and_serves_on_its_ports(monkeypatch):
     from memory_service import config as service_config
 
-    container = _container("StatefulSet", "memory-service")
-    assert container["command"] == ["python", "-m", "memory_service"]
-    environment = _environment(container)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    parser = service_config.build_parser()
-    assert _unknown_prefixed_variables(environment, service_config.ENV_PREFIX, parser) == []
+    container, _ = _parser_under_manifest_environment("StatefulSet", "memory-service",
+                                                      ["python", "-m", "memory_service"], "memory_service.config",
+                                                      monkeypatch)
     loaded = service_config.load_config(container.get("args", []))
     loaded.validate()
     monkeypatch.setenv("INFERSCALE_AUTH_FILE", "/etc/inferscale/credentials.json")  # the commented-out setting
@@ -133,14 +143,9 @@ def test_worker_and_node_agree_on_what_names_the_fact_kv():
 
 
 def test_precompute_worker_parser_accepts_the_manifest_and_requests_a_gpu(monkeypatch):
-    container = _container("Deployment", "precompute-worker")
-    assert container["command"] == ["python", "-m", "precompute_worker"]
-    environment = _environment(container)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    worker_main = importlib.import_module("precompute_worker.__main__")
-    parser = worker_main.build_parser()
-    assert _unknown_prefixed_variables(environment, worker_main.ENV_PREFIX, parser) == []
+    container, parser = _parser_under_manifest_environment("Deployment", "precompute-worker",
+                                                           ["python", "-m", "precompute_worker"],
+                                                           "precompute_worker.__main__", monkeypatch)
     args = parser.parse_args(container.get("args", []))
     assert args.device == "cuda"
     assert any(Path(args.model).is_relative_to(mount["mountPath"]) for mount in container["volumeMounts"])
@@ -158,14 +163,9 @@ def _vllm_server_parser():
 
 
 def test_inference_node_flags_are_ones_inference_node_or_vllm_accepts(monkeypatch):
-    container = _container("Deployment", "inference-node")
-    assert container["command"] == ["python3", "-m", "inference_node"]
-    environment = _environment(container)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
-    node_main = importlib.import_module("inference_node.__main__")
-    parser = node_main.build_parser()
-    assert _unknown_prefixed_variables(environment, node_main.ENV_PREFIX, parser) == []
+    container, parser = _parser_under_manifest_environment("Deployment", "inference-node",
+                                                           ["python3", "-m", "inference_node"],
+                                                           "inference_node.__main__", monkeypatch)
     args, vllm_args = parser.parse_known_args(container["args"])
     assert any(Path(args.model).is_relative_to(mount["mountPath"]) for mount in container["volumeMounts"])
     vllm_parsed = _vllm_server_parser().parse_args(["--model", args.model, *vllm_args])
