@@ -3,12 +3,16 @@
 Credentials file (JSON, `--auth-file`), tokens stored only as SHA-256 hex digests:
 
     {"credentials": [
-      {"name": "acme-app", "role": "app", "user_prefix": "acme/", "token_sha256": "9f86d0..."},
+      {"name": "acme-app", "role": "app", "user_prefix": "acme/", "token_sha256": "9f86d0...",
+       "max_facts": 1000000, "max_kv_bytes": 50000000000},
       {"name": "node-pool", "role": "node", "user_prefix": "", "token_sha256": "..."},
       {"name": "workers", "role": "worker", "token_sha256": "..."}]}
 
 Roles name the RPCs a credential may call; `user_prefix` is its tenant's user namespace: every user_id it names must
 start with it ("" = every user). Workers and admins see every user's facts by nature, so they take no prefix.
+`max_facts` and `max_kv_bytes` (optional, prefixed credentials only) are the tenant's quotas: an IngestFacts that
+would create facts past `max_facts`, or that comes while the tenant's stored KV is at `max_kv_bytes`, is
+RESOURCE_EXHAUSTED.
 `python -m memory_service.access` prints the digest of a token read from standard input.
 Health and reflection are not behind this check: they carry no user data, and probes and operators need them.
 """
@@ -18,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import sys
 from collections.abc import Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +42,7 @@ ROLE_METHODS: dict[str, frozenset[str]] = {
 }
 ALL_USERS_ROLES = frozenset({"worker", "admin"})
 ROLES = frozenset(ROLE_METHODS) | {"admin"}
+_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9._:@+/=-]+")
 
 
 def token_digest(token: str) -> str:
@@ -50,6 +57,8 @@ class Principal:
     role: str
     user_prefix: str
     token_sha256: str
+    max_facts: int | None = None
+    max_kv_bytes: int | None = None
 
     def authorize(self, method: str, request: object) -> None:
         """Raises PermissionDenied unless this caller may call `method` for the users `request` names."""
@@ -66,6 +75,8 @@ class Principal:
 
 
 OPEN_ACCESS = Principal(name="anonymous", role="admin", user_prefix="", token_sha256="")
+# The caller of the RPC being served (set by the servicer's rpc wrapper for the handler it calls).
+CALLER: ContextVar[Principal] = ContextVar("caller", default=OPEN_ACCESS)
 
 
 class AccessControl:
@@ -125,9 +136,15 @@ def _principal(entry: object, index: int, path: Path) -> Principal:
         raise ConfigError(f"{where}.role: one of {', '.join(sorted(ROLES))}")
     if not isinstance(prefix, str) or (prefix and role in ALL_USERS_ROLES):
         raise ConfigError(f"{where}.user_prefix: a string, and empty for role {role} (it sees every user)")
+    if prefix and not _PREFIX_PATTERN.fullmatch(prefix):
+        raise ConfigError(f"{where}.user_prefix: letters, digits and ._:@+/=- only")
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise ConfigError(f"{where}.token_sha256: the token's SHA-256 as 64 hex digits")
-    return Principal(name=name, role=role, user_prefix=prefix, token_sha256=digest)
+    quotas = {quota: entry.get(quota) for quota in ("max_facts", "max_kv_bytes")}
+    for quota, value in quotas.items():
+        if value is not None and (not prefix or not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{where}.{quota}: a positive integer, on a credential with a user_prefix")
+    return Principal(name=name, role=role, user_prefix=prefix, token_sha256=digest, **quotas)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,11 @@ class KvIndex:
                            (f"DELETE FROM jobs WHERE {condition}", params)])
         return stored
 
+    def kv_bytes_with_user_prefix(self, prefix: str) -> int:
+        """Bytes of stored fact KV, over every profile, of the users whose id starts with `prefix`."""
+        return self._query("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE substr(user_id, 1, ?) = ? "
+                           "AND user_id != '_profile'", [len(prefix), prefix])[0][0]
+
     def counts(self, profile_id: str, user_id: str = "") -> QueueCounts:
         user_filter, params = (" AND user_id = ?", [user_id]) if user_id else ("", [])
         now = time.time()

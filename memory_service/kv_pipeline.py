@@ -172,6 +172,9 @@ class KvPipeline:
             await asyncio.to_thread(self.index.fail, key, error)
         return CompletionCounts(accepted, duplicates, stale)
 
+    async def kv_bytes_with_user_prefix(self, prefix: str) -> int:
+        return await asyncio.to_thread(self.index.kv_bytes_with_user_prefix, prefix)
+
     async def entries(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
         """Stored KV of the current versions of `facts`; facts lacking it (and not queued) get queued."""
         entries = await asyncio.to_thread(self.index.entries, profile_id, user_id, [f.fact_id for f in facts])

@@ -16,10 +16,17 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from memory_service.access import AccessControl
+from memory_service.access import CALLER, AccessControl
 from memory_service.config import ServiceConfig
 from memory_service.embedder import Embedder
-from memory_service.errors import InvalidArgument, MemoryServiceError, NotFound, NotReady, status_code_for
+from memory_service.errors import (
+    InvalidArgument,
+    LimitExceeded,
+    MemoryServiceError,
+    NotFound,
+    NotReady,
+    status_code_for,
+)
 from memory_service.metrics import ServiceMetrics
 from memory_service.kv_pipeline import HEADER_FACT, HEADER_VERSION, KvPipeline, Upload, header_key
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
@@ -109,6 +116,7 @@ def rpc(handler: Handler) -> Handler:
             principal = self.access.authenticate(metadata)
             structlog.contextvars.bind_contextvars(caller=principal.name)
             principal.authorize(method, request)
+            CALLER.set(principal)
             if not self.ready:
                 raise NotReady("the memory service is starting; retry shortly")
             return await handler(self, request, context)
@@ -212,8 +220,15 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         user_id = validate_id(request.user_id, "user_id")
         facts = validate_facts(request.facts, self.limits)
         self.metrics.ingest_batch_facts.observe(len(facts))
+        tenant = CALLER.get()
+        if tenant.max_kv_bytes is not None:
+            held = await self._kv.kv_bytes_with_user_prefix(tenant.user_prefix)
+            if held >= tenant.max_kv_bytes:
+                raise LimitExceeded("facts", f"the users under {tenant.user_prefix!r} hold {held} bytes of fact KV, "
+                                    f"the tenant's quota is {tenant.max_kv_bytes}")
+        tenant_quota = (tenant.user_prefix, tenant.max_facts) if tenant.max_facts is not None else None
         results = await self._store.ingest_facts(user_id, facts, self._embed_for_ingest,
-                                                 self.limits.max_facts_per_user)
+                                                 self.limits.max_facts_per_user, tenant_quota)
         await self._kv.facts_changed(
             user_id, [(r.fact_id, r.version) for r in results if r.outcome is not IngestOutcome.UNCHANGED]
         )

@@ -223,12 +223,14 @@ class FactStore:
         )
         return {row["fact_id"]: (row["content_hash"], row["version"], row["created_at_us"]) for row in rows}
 
-    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed,
-                           max_facts_per_user: int | None = None) -> list[IngestResult]:
+    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed, max_facts_per_user: int | None = None,
+                           tenant_quota: tuple[str, int] | None = None) -> list[IngestResult]:
         """Creates new facts, bumps the version of changed ones, leaves identical ones alone.
 
         `embed` is an async callable mapping texts to unit vectors; only new or changed facts are embedded.
-        Raises LimitExceeded, storing nothing, when the new facts would take the user past `max_facts_per_user`.
+        Raises LimitExceeded, storing nothing, when the new facts would take the user past `max_facts_per_user`, or
+        the users under `tenant_quota`'s prefix past its fact count (checked per call under the user's lock: calls
+        for different users of one tenant racing each other can overshoot it by one batch each).
         """
         async with self._user_writes(user_id):
             existing = await self.existing_fact_versions(user_id, [fact.fact_id for fact in facts])
@@ -251,6 +253,12 @@ class FactStore:
                 if held + created > max_facts_per_user:
                     raise LimitExceeded("facts", f"user {user_id!r} holds {held} facts; {created} more would pass "
                                         f"the limit of {max_facts_per_user} per user")
+            if created and tenant_quota is not None:
+                prefix, max_facts = tenant_quota
+                held = await self._facts_table.count_rows(f"starts_with(user_id, '{prefix}')")
+                if held + created > max_facts:
+                    raise LimitExceeded("facts", f"the users under {prefix!r} hold {held} facts; {created} more would "
+                                        f"pass the tenant's quota of {max_facts}")
             if to_write:
                 vectors: np.ndarray = await embed([fact.text for fact, _, _ in to_write])
                 rows = pa.Table.from_pylist(

@@ -22,7 +22,7 @@ from memory_service.launcher import MemoryServiceProcess
 from tests.conftest import run_worker
 
 TOKENS = {"acme-app": "acme-secret", "globex-app": "globex-secret", "nodes": "node-secret",
-          "workers": "worker-secret", "ops": "admin-secret"}
+          "workers": "worker-secret", "ops": "admin-secret", "small-app": "small-secret", "kv-app": "kv-secret"}
 CREDENTIALS = [
     {"name": "acme-app", "role": "app", "user_prefix": "acme/", "token_sha256": token_digest(TOKENS["acme-app"])},
     {"name": "globex-app", "role": "app", "user_prefix": "globex/",
@@ -30,6 +30,10 @@ CREDENTIALS = [
     {"name": "nodes", "role": "node", "user_prefix": "", "token_sha256": token_digest(TOKENS["nodes"])},
     {"name": "workers", "role": "worker", "token_sha256": token_digest(TOKENS["workers"])},
     {"name": "ops", "role": "admin", "token_sha256": token_digest(TOKENS["ops"])},
+    {"name": "small-app", "role": "app", "user_prefix": "small/", "max_facts": 3,
+     "token_sha256": token_digest(TOKENS["small-app"])},
+    {"name": "kv-app", "role": "app", "user_prefix": "kvq/", "max_kv_bytes": 1,
+     "token_sha256": token_digest(TOKENS["kv-app"])},
 ]
 
 
@@ -95,6 +99,9 @@ def test_a_role_may_call_only_its_own_rpcs(name, method, request_message):
     ([{**CREDENTIALS[0], "role": "root"}], "role"),
     ([CREDENTIALS[0], {**CREDENTIALS[1], "name": "acme-app"}], "unique"),
     ([CREDENTIALS[0], {**CREDENTIALS[1], "token_sha256": CREDENTIALS[0]["token_sha256"]}], "share a token"),
+    ([{**CREDENTIALS[4], "max_facts": 10}], "max_facts"),
+    ([{**CREDENTIALS[0], "max_kv_bytes": "lots"}], "max_kv_bytes"),
+    ([{**CREDENTIALS[0], "user_prefix": "acme'/"}], "user_prefix"),
 ])
 def test_a_bad_credentials_file_is_refused_with_the_reason(tmp_path, credentials, problem):
     with pytest.raises(ConfigError, match=problem):
@@ -168,3 +175,35 @@ def test_worker_with_its_token_from_the_environment_computes_kv(guarded_service,
     run_worker(guarded_service, tiny_llama_dir)
     stats = guarded_stub.GetStats(pb.GetStatsRequest(), metadata=_metadata("workers"))
     assert [profile.done for profile in stats.profiles] == [stats.facts]
+
+
+def test_a_tenant_past_its_fact_quota_is_resource_exhausted_and_nothing_is_stored(guarded_stub):
+    small = _metadata("small-app")
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="small/a", facts=[pb.FactInput(text="A rows."),
+                                                                             pb.FactInput(text="A sails.")]),
+                             metadata=small)
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="small/b", facts=[pb.FactInput(text="B knits.")]),
+                             metadata=small)
+    with pytest.raises(grpc.RpcError) as error:
+        guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="small/c", facts=[pb.FactInput(text="C paints.")]),
+                                 metadata=small)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "quota of 3" in error.value.details()
+    assert _facts_of(guarded_stub, "small/c") == []
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="small/a", facts=[pb.FactInput(text="A rows.")]),
+                             metadata=small)  # an unchanged fact creates nothing, so it is not held back
+
+
+def test_a_tenant_whose_stored_kv_reached_its_quota_cannot_add_facts(guarded_service, guarded_stub, tiny_llama_dir,
+                                                                     monkeypatch):
+    kv_app = _metadata("kv-app")
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="kvq/ann", facts=[pb.FactInput(text="Ann hikes.")]),
+                             metadata=kv_app)
+    monkeypatch.setenv(WORKER_TOKEN_ENV, TOKENS["workers"])
+    run_worker(guarded_service, tiny_llama_dir)
+    with pytest.raises(grpc.RpcError) as error:
+        guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="kvq/bob", facts=[pb.FactInput(text="Bob swims.")]),
+                                 metadata=kv_app)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "bytes of fact KV" in error.value.details()
+    assert _facts_of(guarded_stub, "kvq/bob") == []
