@@ -72,7 +72,7 @@ class Embedder:
     async def embed_query(self, text: str) -> np.ndarray:
         """One query's [dim] embedding. Queries that arrive while a batch is being embedded wait for it and go
         together in the next one: one model call per batch instead of per query, with no added delay when idle
-        (under load, per-query calls queue behind each other on the two embedding threads)."""
+        (under load, per-query calls would queue behind each other on the embedding executor)."""
         future = asyncio.get_running_loop().create_future()
         self._pending_queries.append((text, future))
         if self._query_drain is None:
