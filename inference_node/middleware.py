@@ -24,7 +24,7 @@ from inference_node.memory_prompt import cache_salt, plan_memory, system_content
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.call_credentials import NODE_TOKEN_ENV, bearer_metadata
+from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
 from inferscale_kv.layout import memory_header_ids, memory_header_text
 
 MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
@@ -100,7 +100,7 @@ class MemoryMiddleware:
             self._header_ids = memory_header_ids(self._tokenizer)
             self._header_text = memory_header_text(self._tokenizer)
         if self._stub is None:
-            channel = grpc.aio.insecure_channel(self.settings.memory_service)
+            channel = memory_service_aio_channel(self.settings.memory_service, NODE)
             self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
@@ -153,7 +153,7 @@ class MemoryMiddleware:
             response = await self._stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
                 user_id=user_id, query=query[:2000], top_k=top_k, profile=self._profile,
                 node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s,
-                metadata=bearer_metadata(NODE_TOKEN_ENV))
+                metadata=bearer_metadata(NODE))
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)

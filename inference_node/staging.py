@@ -127,9 +127,9 @@ class KvStager:
         with self._stub_lock:
             if self._stub is None:
                 from inferscale.v1 import memory_pb2_grpc
-                from inferscale_kv.call_credentials import NODE_TOKEN_ENV, memory_service_channel
+                from inferscale_kv.call_credentials import NODE, memory_service_channel
 
-                channel = memory_service_channel(self.settings.memory_service, NODE_TOKEN_ENV,
+                channel = memory_service_channel(self.settings.memory_service, NODE,
                                                  options=[("grpc.max_receive_message_length", 256 << 20)])
                 self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
             return self._stub

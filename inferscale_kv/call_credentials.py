@@ -1,26 +1,46 @@
-"""How callers present a credential to the memory service: `authorization: Bearer <token>` call metadata.
+"""How workers and inference nodes reach the memory service: a bearer token as `authorization` call metadata, and
+TLS (mutual when a client certificate is given) on the channel.
 
-Workers and inference nodes read their token from the environment only (never a flag: flags reach logs and
-vLLM's printed config): INFERSCALE_WORKER_MEMORY_SERVICE_TOKEN, INFERSCALE_NODE_MEMORY_SERVICE_TOKEN.
+Both come from the environment only (never flags: flags reach logs and vLLM's printed config), named by the
+caller's role prefix (WORKER or NODE below):
+  <ROLE>MEMORY_SERVICE_TOKEN          the bearer token
+  <ROLE>MEMORY_SERVICE_TLS_CA_FILE    PEM CA that signed the service's certificate (set: the channel uses TLS)
+  <ROLE>MEMORY_SERVICE_TLS_CERT_FILE  PEM client certificate and
+  <ROLE>MEMORY_SERVICE_TLS_KEY_FILE   its key, for a service that requires client certificates
 """
 
 from __future__ import annotations
 
 import collections
 import os
+from pathlib import Path
 
 import grpc
 
 AUTHORIZATION_KEY = "authorization"
 BEARER_PREFIX = "Bearer "
-WORKER_TOKEN_ENV = "INFERSCALE_WORKER_MEMORY_SERVICE_TOKEN"
-NODE_TOKEN_ENV = "INFERSCALE_NODE_MEMORY_SERVICE_TOKEN"
+WORKER = "INFERSCALE_WORKER_"
+NODE = "INFERSCALE_NODE_"
+WORKER_TOKEN_ENV = f"{WORKER}MEMORY_SERVICE_TOKEN"
+NODE_TOKEN_ENV = f"{NODE}MEMORY_SERVICE_TOKEN"
 
 
-def bearer_metadata(token_env: str) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying the token in `token_env`; empty when it is unset (a service without access control)."""
-    token = os.environ.get(token_env, "")
+def bearer_metadata(role: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying the role's token; empty when it is unset (a service without access control)."""
+    token = os.environ.get(f"{role}MEMORY_SERVICE_TOKEN", "")
     return ((AUTHORIZATION_KEY, BEARER_PREFIX + token),) if token else ()
+
+
+def channel_credentials(role: str) -> grpc.ChannelCredentials | None:
+    """TLS credentials from the role's environment; None (plaintext) when no CA file is named."""
+    def read(setting: str) -> bytes | None:
+        path = os.environ.get(f"{role}MEMORY_SERVICE_TLS_{setting}_FILE")
+        return Path(path).read_bytes() if path else None
+
+    ca = read("CA")
+    if ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=read("KEY"), certificate_chain=read("CERT"))
 
 
 class _CallDetails(
@@ -46,8 +66,17 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(client_call_details), request)
 
 
-def memory_service_channel(address: str, token_env: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
-    """A (synchronous) channel to the memory service whose every call carries the token in `token_env`, if set."""
-    channel = grpc.insecure_channel(address, options=options or [])
-    metadata = bearer_metadata(token_env)
+def memory_service_channel(address: str, role: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
+    """A (synchronous) channel to the memory service with the role's TLS settings, whose every call carries the
+    role's token, if set."""
+    credentials = channel_credentials(role)
+    channel = (grpc.secure_channel(address, credentials, options=options or []) if credentials
+               else grpc.insecure_channel(address, options=options or []))
+    metadata = bearer_metadata(role)
     return grpc.intercept_channel(channel, _BearerToken(metadata)) if metadata else channel
+
+
+def memory_service_aio_channel(address: str, role: str) -> grpc.aio.Channel:
+    """The asyncio channel of the same settings; its callers pass `bearer_metadata(role)` per call."""
+    credentials = channel_credentials(role)
+    return grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)

@@ -56,6 +56,10 @@ class ServiceConfig:
     kv_max_attempts: int = 3
     search_cache_mb: int = 256
     auth_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    health_port: int = 0
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
 
@@ -64,6 +68,16 @@ class ServiceConfig:
             raise ConfigError(f"--port: {self.port} is not a TCP port")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port: {self.metrics_port} is not a TCP port (0 disables metrics)")
+        if not 0 <= self.health_port <= 65535:
+            raise ConfigError(f"--health-port: {self.health_port} is not a TCP port (0: health on --port only)")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("--tls-cert-file and --tls-key-file: give both, or neither for plaintext")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError("--tls-client-ca-file: mutual TLS needs --tls-cert-file and --tls-key-file")
+        for flag, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file),
+                           ("--tls-client-ca-file", self.tls_client_ca_file)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag}: {path} is not a file")
         if self.embedding_batch_size < 1:
             raise ConfigError("--embedding-batch-size: must be at least 1")
         if self.embedding_threads < 1:
@@ -93,7 +107,8 @@ class ServiceConfig:
     def as_log_fields(self) -> dict[str, object]:
         fields = dataclasses.asdict(self)
         fields["data_dir"] = str(self.data_dir)
-        fields["auth_file"] = str(self.auth_file) if self.auth_file else None
+        for name in ("auth_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            fields[name] = str(fields[name]) if fields[name] else None
         return fields
 
 
@@ -151,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
     parser.add_argument("--auth-file", default=_env("auth_file", None),
                         help="credentials (JSON; see memory_service/access.py); unset: every caller is admitted")
+    parser.add_argument("--tls-cert-file", default=_env("tls_cert_file", None),
+                        help="serve gRPC over TLS with this certificate chain (PEM); unset: plaintext")
+    parser.add_argument("--tls-key-file", default=_env("tls_key_file", None), help="the certificate's private key")
+    parser.add_argument("--tls-client-ca-file", default=_env("tls_client_ca_file", None),
+                        help="mutual TLS: require client certificates signed by this CA (PEM)")
+    parser.add_argument("--health-port", type=int, default=_env("health_port", 0),
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes under TLS)")
     for limit in dataclasses.fields(Limits):
         parser.add_argument(
             f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
@@ -185,6 +207,10 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_max_attempts=int(args.kv_max_attempts),
         search_cache_mb=int(args.search_cache_mb),
         auth_file=Path(args.auth_file) if args.auth_file else None,
+        tls_cert_file=Path(args.tls_cert_file) if args.tls_cert_file else None,
+        tls_key_file=Path(args.tls_key_file) if args.tls_key_file else None,
+        tls_client_ca_file=Path(args.tls_client_ca_file) if args.tls_client_ca_file else None,
+        health_port=int(args.health_port),
         limits=limits,
     )
     config.validate()

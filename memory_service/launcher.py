@@ -25,12 +25,14 @@ def free_port() -> int:
 class MemoryServiceProcess:
     """A memory service on free loopback ports; `start` returns once health says SERVING."""
 
-    def __init__(self, data_dir: Path, log_path: Path, *extra_args: str) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, *extra_args: str, health_port: bool = False) -> None:
+        """`health_port`: serve health alone in plaintext on its own port and wait on that one (for TLS runs)."""
         self.data_dir = data_dir
         self.log_path = log_path
         self.extra_args = extra_args
         self.port = free_port()
         self.metrics_port = free_port()
+        self.health_port = free_port() if health_port else None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -43,6 +45,7 @@ class MemoryServiceProcess:
             sys.executable, "-m", "memory_service",
             "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
             "--data-dir", str(self.data_dir), *self.extra_args,
+            *(("--health-port", str(self.health_port)) if self.health_port else ()),
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log_file:
@@ -52,7 +55,8 @@ class MemoryServiceProcess:
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with grpc.insecure_channel(self.address) as channel:
+        health_address = f"127.0.0.1:{self.health_port}" if self.health_port else self.address
+        with grpc.insecure_channel(health_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 assert self.process is not None

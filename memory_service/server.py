@@ -23,6 +23,15 @@ SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
 OPTIMIZE_INTERVAL_S = 30.0
 
 
+def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files (client certificates required when a client CA is given)."""
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    client_ca = config.tls_client_ca_file.read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
 async def _optimize_periodically(servicer: MemoryServicer) -> None:
     """Folds small write fragments together so per-user scans stay fast as ingests accumulate."""
     while True:
@@ -59,13 +68,22 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    credentials = _server_credentials(config)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
+    health_server = None
+    if config.health_port:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        if health_server.add_insecure_port(f"{config.host}:{config.health_port}") == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.health_port}")
+        await health_server.start()
     await server.start()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
-    log.info("listening", port=port, metrics_port=config.metrics_port, access_control=servicer.access.enabled)
+    log.info("listening", port=port, metrics_port=config.metrics_port, health_port=config.health_port,
+             tls="mutual" if config.tls_client_ca_file else bool(credentials), access_control=servicer.access.enabled)
 
     maintenance: asyncio.Task | None = None
     try:
@@ -89,5 +107,7 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             with contextlib.suppress(asyncio.CancelledError):
                 await maintenance
         await server.stop(config.shutdown_grace_s)
+        if health_server is not None:
+            await health_server.stop(0)
         await servicer.close()
         log.info("stopped")

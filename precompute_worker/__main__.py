@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.call_credentials import WORKER_TOKEN_ENV, memory_service_channel
+from inferscale_kv.call_credentials import WORKER, memory_service_channel
 from inferscale_kv.layout import memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import KV_DTYPES
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None, encoder_factory=None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    with memory_service_channel(args.memory_service, WORKER_TOKEN_ENV,
+    with memory_service_channel(args.memory_service, WORKER,
                                 options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         worker = PrecomputeWorker(
             memory_pb2_grpc.MemoryServiceStub(channel), encoder, tokenizer, memory_header_ids(tokenizer), profile,

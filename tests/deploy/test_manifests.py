@@ -98,15 +98,18 @@ def test_memory_service_config_loader_accepts_the_manifest_and_serves_on_its_por
                                                       monkeypatch)
     loaded = service_config.load_config(container.get("args", []))
     loaded.validate()
-    monkeypatch.setenv("INFERSCALE_AUTH_FILE", "/etc/inferscale/credentials.json")  # the commented-out setting
-    assert service_config.load_config([]).auth_file.parent.as_posix() in {
-        mount["mountPath"] for mount in container["volumeMounts"]}
-    ports = _container_ports(container)
-    assert ports == {"grpc": loaded.port, "metrics": loaded.metrics_port}
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+    commented = dict(re.findall(r"# (INFERSCALE_\w+): (\S+)", (REPO_ROOT / "deploy/k8s/10-config.yaml").read_text()))
+    assert set(commented) == {"INFERSCALE_AUTH_FILE", "INFERSCALE_TLS_CERT_FILE", "INFERSCALE_TLS_KEY_FILE",
+                              "INFERSCALE_TLS_CLIENT_CA_FILE"}
+    for variable, path in commented.items():  # each commented-out setting names a flag and a path in a mount
+        assert Path(path).parent.as_posix() in mounts, variable
+    assert _unknown_prefixed_variables(commented, service_config.ENV_PREFIX, service_config.build_parser()) == []
+    ports = _container_ports(container)
+    assert ports == {"grpc": loaded.port, "metrics": loaded.metrics_port, "health": loaded.health_port}
     assert str(loaded.data_dir) in mounts
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == loaded.port, probe
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # plaintext, whether or not the API is TLS
+        assert container[probe]["grpc"]["port"] == loaded.health_port, probe
     from memory_service.server import SERVICE_NAME
 
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
