@@ -90,6 +90,7 @@ class MemoryMiddleware:
         self._header_ids: list[int] = []
         self._header_text = ""
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
+        self._call_metadata: tuple[tuple[str, str], ...] = ()
         self._profile = pb.KvProfile(**self.settings.profile)
 
     def _prepare(self) -> None:
@@ -102,6 +103,7 @@ class MemoryMiddleware:
         if self._stub is None:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
             self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            self._call_metadata = bearer_metadata(NODE)
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in MEMORY_PATHS:
@@ -153,7 +155,7 @@ class MemoryMiddleware:
             response = await self._stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
                 user_id=user_id, query=query[:2000], top_k=top_k, profile=self._profile,
                 node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s,
-                metadata=bearer_metadata(NODE))
+                metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)

@@ -7,7 +7,6 @@ import sys
 
 import structlog
 
-from memory_service.access import AccessControl
 from memory_service.config import ConfigError, load_config
 from memory_service.logs import configure_logging
 from memory_service.server import serve
@@ -16,13 +15,12 @@ from memory_service.server import serve
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
-        AccessControl.from_file(config.auth_file)
+        configure_logging(config.log_level)
+        structlog.get_logger("memory_service").info("config", **config.as_log_fields())
+        asyncio.run(serve(config))  # ConfigError from files it reads (credentials) comes before it listens
     except ConfigError as exc:
         print(f"memory_service: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
-    structlog.get_logger("memory_service").info("config", **config.as_log_fields())
-    asyncio.run(serve(config))
     return 0
 
 

@@ -17,6 +17,10 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
 
 
+# ServiceConfig's file settings that may be unset.
+_OPTIONAL_PATHS = ("auth_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
+
+
 @dataclass(frozen=True)
 class Limits:
     """Request size limits and the per-user fact quota; exceeding one is RESOURCE_EXHAUSTED."""
@@ -107,7 +111,7 @@ class ServiceConfig:
     def as_log_fields(self) -> dict[str, object]:
         fields = dataclasses.asdict(self)
         fields["data_dir"] = str(self.data_dir)
-        for name in ("auth_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        for name in _OPTIONAL_PATHS:
             fields[name] = str(fields[name]) if fields[name] else None
         return fields
 
@@ -206,10 +210,7 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_lease_max_facts=int(args.kv_lease_max_facts),
         kv_max_attempts=int(args.kv_max_attempts),
         search_cache_mb=int(args.search_cache_mb),
-        auth_file=Path(args.auth_file) if args.auth_file else None,
-        tls_cert_file=Path(args.tls_cert_file) if args.tls_cert_file else None,
-        tls_key_file=Path(args.tls_key_file) if args.tls_key_file else None,
-        tls_client_ca_file=Path(args.tls_client_ca_file) if args.tls_client_ca_file else None,
+        **{name: Path(getattr(args, name)) if getattr(args, name) else None for name in _OPTIONAL_PATHS},
         health_port=int(args.health_port),
         limits=limits,
     )

@@ -249,16 +249,12 @@ class FactStore:
                     to_write.append((fact, previous[1] + 1, previous[2]))
             created = sum(1 for result in results if result.outcome is IngestOutcome.CREATED)
             if created and max_facts_per_user is not None:
-                held = await self._facts_table.count_rows(f"user_id = '{user_id}'")
-                if held + created > max_facts_per_user:
-                    raise LimitExceeded("facts", f"user {user_id!r} holds {held} facts; {created} more would pass "
-                                        f"the limit of {max_facts_per_user} per user")
+                await self._refuse_past_quota(f"user_id = '{user_id}'", created, f"user {user_id!r} holds",
+                                              max_facts_per_user, "the limit of {} per user")
             if created and tenant_quota is not None:
                 prefix, max_facts = tenant_quota
-                held = await self._facts_table.count_rows(f"starts_with(user_id, '{prefix}')")
-                if held + created > max_facts:
-                    raise LimitExceeded("facts", f"the users under {prefix!r} hold {held} facts; {created} more would "
-                                        f"pass the tenant's quota of {max_facts}")
+                await self._refuse_past_quota(f"starts_with(user_id, '{prefix}')", created,
+                                              f"the users under {prefix!r} hold", max_facts, "the tenant's quota of {}")
             if to_write:
                 vectors: np.ndarray = await embed([fact.text for fact, _, _ in to_write])
                 rows = pa.Table.from_pylist(
@@ -284,6 +280,12 @@ class FactStore:
                 await self._commit(self._facts_table, rows)
                 self._search_cache.invalidate(user_id)
             return results
+
+    async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
+        """Raises LimitExceeded when the facts matching `condition` plus `created` new ones exceed `limit`."""
+        held = await self._facts_table.count_rows(condition)
+        if held + created > limit:
+            raise LimitExceeded("facts", f"{holder} {held} facts; {created} more would pass {limit_text.format(limit)}")
 
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
