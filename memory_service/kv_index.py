@@ -180,6 +180,14 @@ class KvIndex:
         return {fact: KvEntry(KvKey(profile_id, user_id, fact, version), json.loads(tokens), nbytes)
                 for fact, version, tokens, nbytes in rows}
 
+    def job_versions(self, profile_id: str, user_id: str, fact_ids: Sequence[str]) -> dict[str, int]:
+        """The queued (or leased, or failed) version of each of `fact_ids` that has a job."""
+        if not fact_ids:
+            return {}
+        placeholders = ",".join("?" * len(fact_ids))
+        return dict(self._query(f"SELECT fact_id, version FROM jobs WHERE profile_id = ? AND user_id = ? "
+                                f"AND fact_id IN ({placeholders})", (profile_id, user_id, *fact_ids)))
+
     def all_entry_keys(self) -> list[KvKey]:
         return [KvKey(*row) for row in self._query("SELECT profile_id, user_id, fact_id, version FROM kv_entries")]
 

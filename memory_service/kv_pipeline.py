@@ -177,13 +177,18 @@ class KvPipeline:
 
     async def entries(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
         """Stored KV of the current versions of `facts`; facts lacking it (and not queued) get queued."""
-        entries = await asyncio.to_thread(self.index.entries, profile_id, user_id, [f.fact_id for f in facts])
+        return await asyncio.to_thread(self._entries_blocking, profile_id, user_id, facts)
+
+    def _entries_blocking(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
+        fact_ids = [f.fact_id for f in facts]
+        entries = self.index.entries(profile_id, user_id, fact_ids)
         versions = {f.fact_id: f.version for f in facts}
         current = {fid: e for fid, e in entries.items() if versions[fid] == e.key.version}
-        missing = [(user_id, f.fact_id, f.version) for f in facts if f.fact_id not in current
-                   and self.index.job_version(profile_id, user_id, f.fact_id) != f.version]
+        lacking = [f for f in facts if f.fact_id not in current]
+        jobs = self.index.job_versions(profile_id, user_id, [f.fact_id for f in lacking]) if lacking else {}
+        missing = [(user_id, f.fact_id, f.version) for f in lacking if jobs.get(f.fact_id) != f.version]
         if missing:
-            await asyncio.to_thread(self.index.enqueue, [profile_id], missing)
+            self.index.enqueue([profile_id], missing)
         return current
 
     async def fetch(self, key: KvKey) -> bytes | None:
