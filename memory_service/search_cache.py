@@ -43,7 +43,7 @@ class UserFactsCache:
     """LRU of UserFacts bounded by bytes. A user larger than the budget is marked until the next write to it and
     searched in LanceDB meanwhile (`may_hold` is False), so its facts are not read whole for every query.
 
-    Writers call `invalidate(user)` after committing and before acknowledging; readers take `generation(user)`
+    Writers call `upsert(user, ...)` or `invalidate(user)` after committing and before acknowledging; readers take `generation(user)`
     before reading LanceDB and pass it to `put`, which drops the entry if a write came in between.
     """
 
@@ -79,6 +79,27 @@ class UserFactsCache:
         while self._bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
         return True
+
+    def upsert(self, user_id: str, facts: list[StoredFact], vectors: np.ndarray) -> None:
+        """Applies a committed write of `facts` (new or replacing those with their fact_ids) to the user's entry, if
+        cached, so that a write does not cost the next query a reload; like `invalidate`, drops reads in flight."""
+        entry = self._entries.get(user_id)
+        self.invalidate(user_id)
+        if entry is None:
+            return
+        row_of = {fact.fact_id: row for row, fact in enumerate(entry.facts)}
+        merged_facts, merged_vectors = list(entry.facts), entry.vectors.copy()
+        appended: list[int] = []
+        for index, fact in enumerate(facts):
+            row = row_of.get(fact.fact_id)
+            if row is None:
+                appended.append(index)
+                merged_facts.append(fact)
+            else:
+                merged_facts[row] = fact
+                merged_vectors[row] = vectors[index]
+        merged = UserFacts(merged_facts, np.concatenate([merged_vectors, vectors[appended]]))
+        self.put(user_id, merged, self.generation(user_id))
 
     def invalidate(self, user_id: str) -> None:
         self._generations[self._stripe(user_id)] += 1

@@ -257,28 +257,25 @@ class FactStore:
                                               f"the users under {prefix!r} hold", max_facts, "the tenant's quota of {}")
             if to_write:
                 vectors: np.ndarray = await embed([fact.text for fact, _, _ in to_write])
-                rows = pa.Table.from_pylist(
-                    [
-                        {
-                            "key": row_key(user_id, fact.fact_id),
-                            "user_id": user_id,
-                            "fact_id": fact.fact_id,
-                            "text": fact.text,
-                            "source_turn_id": fact.source_turn_id,
-                            "timestamp_us": fact.timestamp_us,
-                            "metadata_json": json.dumps(fact.metadata, ensure_ascii=False, sort_keys=True),
-                            "content_hash": fact.content_hash,
-                            "version": version,
-                            "created_at_us": created_at_us,
-                            "updated_at_us": now,
-                            "vector": vector,
-                        }
-                        for (fact, version, created_at_us), vector in zip(to_write, vectors)
-                    ],
-                    schema=facts_schema(self._dim),
-                )
-                await self._commit(self._facts_table, rows)
-                self._search_cache.invalidate(user_id)
+                records = [
+                    {
+                        "key": row_key(user_id, fact.fact_id),
+                        "user_id": user_id,
+                        "fact_id": fact.fact_id,
+                        "text": fact.text,
+                        "source_turn_id": fact.source_turn_id,
+                        "timestamp_us": fact.timestamp_us,
+                        "metadata_json": json.dumps(fact.metadata, ensure_ascii=False, sort_keys=True),
+                        "content_hash": fact.content_hash,
+                        "version": version,
+                        "created_at_us": created_at_us,
+                        "updated_at_us": now,
+                        "vector": vector,
+                    }
+                    for (fact, version, created_at_us), vector in zip(to_write, vectors)
+                ]
+                await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)))
+                self._search_cache.upsert(user_id, [_stored_fact(record) for record in records], vectors)
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:

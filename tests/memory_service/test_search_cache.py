@@ -52,3 +52,23 @@ def test_a_user_larger_than_the_budget_is_searched_elsewhere_until_written_to() 
     assert not cache.may_hold("big") and cache.may_hold("other")
     cache.invalidate("big")
     assert cache.may_hold("big")
+
+
+def test_an_upsert_replaces_and_appends_rows_of_a_cached_user_and_drops_reads_in_flight() -> None:
+    cache = UserFactsCache(1 << 20)
+    cache.put("u", _facts("u", [[1, 0], [0, 1]]), cache.generation("u"))
+    generation = cache.generation("u")
+    written = _facts("u", [[0, 1], [1, 1], [1, 0]])  # f0 changed; f1 unchanged ids rewritten; f2 new
+    cache.upsert("u", written.facts, written.vectors)
+    entry = cache.get("u")
+    assert entry is not None and [f.fact_id for f in entry.facts] == ["f0", "f1", "f2"]
+    assert np.array_equal(entry.vectors, written.vectors)
+    assert [r.fact.fact_id for r in entry.top_k(np.asarray([0.0, 1.0]), 1)] == ["f0"]
+    assert not cache.put("u", _facts("u", [[1, 0]]), generation)  # a read taken before the write is stale
+
+
+def test_an_upsert_to_a_user_not_cached_installs_nothing() -> None:
+    cache = UserFactsCache(1 << 20)
+    written = _facts("u", [[1, 0]])
+    cache.upsert("u", written.facts, written.vectors)
+    assert cache.get("u") is None and cache.bytes_used == 0
