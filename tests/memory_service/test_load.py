@@ -1,8 +1,13 @@
 """Load on loopback: concurrent RetrieveAndStage callers plus ongoing ingest against a real memory service, an
 isolation audit over every response (each user's fact texts carry a marker no other user's do), and the service's
-resident memory sampled through the run. `make test` runs a short version; the full one (200 callers for 60 s on
-1,000 users x 100 facts) is `make test-load` (marker `slow`). Throughput and latency are reported, never asserted;
-errors, isolation and memory growth are."""
+resident memory sampled through the run. `make test` runs a short version; the full one (200 callers, two 60 s
+phases on 1,000 users x 100 facts) is `make test-load` (marker `slow`).
+
+Each run has two phases on one population. Saturation: every caller sends its next call as soon as the last one
+answers (closed loop), which measures capacity; its latency is queueing behind the other callers, by Little's law
+callers / throughput. Paced: the same callers each pause an exponential think time between calls, so together they
+offer a fixed rate below capacity (a fleet of nodes sending requests as users arrive); its latency is the service
+time at that load. Throughput and latency are reported, never asserted; errors, isolation and memory growth are."""
 
 from __future__ import annotations
 
@@ -25,7 +30,16 @@ from memory_service.launcher import MemoryServiceProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
+# The full run's paced rate: about half the saturation throughput measured on a 2-core machine.
+FULL_PACED_RPS = 100
 TOPICS = ["hiking", "jazz", "baking", "chess", "sailing", "pottery", "cycling", "poetry", "birds", "tea"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float
+    offered_rps: float | None  # the callers' aggregate rate when paced; None: closed loop (saturation)
 
 
 @dataclass(frozen=True)
@@ -33,30 +47,41 @@ class LoadShape:
     users: int
     facts_per_user: int
     callers: int
-    duration_s: float
+    phases: tuple[Phase, ...]
     ingest_interval_s: float = 0.1  # one 5-fact IngestFacts call this often, to random users, during the run
 
 
 @dataclass
-class LoadReport:
-    shape: dict
+class PhaseReport:
     calls: int = 0
     errors: list[str] = field(default_factory=list)
     isolation_violations: list[str] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list)
-    facts_ingested_during_run: int = 0
-    rss_mib: list[float] = field(default_factory=list)
+    facts_ingested: int = 0
+    wall_s: float = 0.0
 
-    def summary(self, wall_s: float) -> dict:
+    def summary(self, phase: Phase) -> dict:
         latencies = sorted(self.latencies_ms)
-        quantile = (lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]) if latencies else None
-        third = max(1, len(self.rss_mib) // 3)
-        return {"shape": self.shape, "calls": self.calls, "throughput_rps": round(self.calls / wall_s, 1),
-                "p50_ms": round(quantile(0.5), 2) if quantile else None,
-                "p99_ms": round(quantile(0.99), 2) if quantile else None,
+        quantile = (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2)) \
+            if latencies else (lambda q: None)
+        return {"offered_rps": phase.offered_rps, "duration_s": phase.duration_s, "calls": self.calls,
+                "throughput_rps": round(self.calls / self.wall_s, 1), "p50_ms": quantile(0.5),
+                "p99_ms": quantile(0.99), "max_ms": quantile(1.0),
                 "mean_ms": round(statistics.fmean(latencies), 2) if latencies else None,
                 "errors": len(self.errors), "isolation_violations": len(self.isolation_violations),
-                "facts_ingested_during_run": self.facts_ingested_during_run,
+                "facts_ingested": self.facts_ingested}
+
+
+@dataclass
+class LoadReport:
+    shape: LoadShape
+    phases: dict[str, PhaseReport] = field(default_factory=dict)
+    rss_mib: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        third = max(1, len(self.rss_mib) // 3)
+        return {"shape": asdict(self.shape),
+                "phases": {phase.name: self.phases[phase.name].summary(phase) for phase in self.shape.phases},
                 "rss_mib_start": self.rss_mib[0] if self.rss_mib else None,
                 "rss_mib_after_warmup": self.rss_mib[third - 1] if self.rss_mib else None,
                 "rss_mib_end": self.rss_mib[-1] if self.rss_mib else None}
@@ -98,81 +123,101 @@ async def _populate(stub, shape: LoadShape) -> None:
     await asyncio.gather(*(one_user(index) for index in range(shape.users)))
 
 
-async def _run(service: MemoryServiceProcess, shape: LoadShape) -> tuple[LoadReport, float]:
-    report = LoadReport(shape=asdict(shape))
+async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) -> None:
     profile = _profile()
+    deadline = time.monotonic() + phase.duration_s
+    mean_think_s = shape.callers / phase.offered_rps if phase.offered_rps else 0.0
+
+    async def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        while True:
+            if mean_think_s:
+                await asyncio.sleep(min(rng.expovariate(1 / mean_think_s), max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                return
+            user_index = rng.randrange(shape.users)
+            started = time.perf_counter()
+            try:
+                response = await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                    user_id=_user(user_index), query=f"what does the user enjoy, {rng.choice(TOPICS)}?",
+                    top_k=20, profile=profile, node_id=f"node-{seed % 4}"), timeout=30)
+            except grpc.aio.AioRpcError as error:
+                report.errors.append(f"RetrieveAndStage {error.code().name}: {error.details()}")
+                continue
+            report.latencies_ms.append((time.perf_counter() - started) * 1000)
+            report.calls += 1
+            for fact in response.facts:
+                if set(MARKER.findall(fact.text)) != {f"{user_index:05d}"}:
+                    report.isolation_violations.append(f"{_user(user_index)} got {fact.text!r}")
+
+    async def ingester() -> None:
+        rng = random.Random(-1 - shape.phases.index(phase))
+        serial = shape.facts_per_user + 10_000 * shape.phases.index(phase)
+        while time.monotonic() < deadline:
+            index = rng.randrange(shape.users)
+            facts = [pb.FactInput(text=_fact_text(index, serial + n, rng)) for n in range(5)]
+            serial += 5
+            try:
+                await stub.IngestFacts(pb.IngestFactsRequest(user_id=_user(index), facts=facts), timeout=30)
+                report.facts_ingested += len(facts)
+            except grpc.aio.AioRpcError as error:
+                report.errors.append(f"IngestFacts {error.code().name}: {error.details()}")
+            await asyncio.sleep(min(shape.ingest_interval_s, max(0.0, deadline - time.monotonic())))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(seed) for seed in range(shape.callers)), ingester())
+    report.wall_s = time.perf_counter() - started
+
+
+async def _run(service: MemoryServiceProcess, shape: LoadShape) -> LoadReport:
+    report = LoadReport(shape=shape)
     async with grpc.aio.insecure_channel(service.address) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
         await _populate(stub, shape)
-        deadline = time.monotonic() + shape.duration_s
-
-        async def caller(seed: int) -> None:
-            rng = random.Random(seed)
-            while time.monotonic() < deadline:
-                user_index = rng.randrange(shape.users)
-                started = time.perf_counter()
-                try:
-                    response = await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-                        user_id=_user(user_index), query=f"what does the user enjoy, {rng.choice(TOPICS)}?",
-                        top_k=20, profile=profile, node_id=f"node-{seed % 4}"), timeout=30)
-                except grpc.aio.AioRpcError as error:
-                    report.errors.append(f"RetrieveAndStage {error.code().name}: {error.details()}")
-                    continue
-                report.latencies_ms.append((time.perf_counter() - started) * 1000)
-                report.calls += 1
-                for fact in response.facts:
-                    if set(MARKER.findall(fact.text)) != {f"{user_index:05d}"}:
-                        report.isolation_violations.append(f"{_user(user_index)} got {fact.text!r}")
-
-        async def ingester() -> None:
-            rng = random.Random(-1)
-            serial = shape.facts_per_user
-            while time.monotonic() < deadline:
-                index = rng.randrange(shape.users)
-                facts = [pb.FactInput(text=_fact_text(index, serial + n, rng)) for n in range(5)]
-                serial += 5
-                try:
-                    await stub.IngestFacts(pb.IngestFactsRequest(user_id=_user(index), facts=facts), timeout=30)
-                    report.facts_ingested_during_run += len(facts)
-                except grpc.aio.AioRpcError as error:
-                    report.errors.append(f"IngestFacts {error.code().name}: {error.details()}")
-                await asyncio.sleep(shape.ingest_interval_s)
+        running = True
 
         async def memory_sampler() -> None:
-            while time.monotonic() < deadline:
+            while running:
                 report.rss_mib.append(round(_rss_mib(service.process.pid), 1))
                 await asyncio.sleep(1.0)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(caller(seed) for seed in range(shape.callers)), ingester(), memory_sampler())
-        return report, time.perf_counter() - started
+        sampler = asyncio.create_task(memory_sampler())
+        for phase in shape.phases:
+            report.phases[phase.name] = PhaseReport()
+            await _run_phase(stub, shape, phase, report.phases[phase.name])
+        running = False
+        await sampler
+    return report
 
 
 def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float) -> dict:
     service = MemoryServiceProcess(tmp_path / "data", tmp_path / "service.log", "--embedding-threads", "2").start()
     try:
-        report, wall_s = asyncio.run(_run(service, shape))
+        report = asyncio.run(_run(service, shape))
     finally:
         service.stop()
-    summary = report.summary(wall_s)
+    summary = report.summary()
     output = REPO_ROOT / "results" / "load"
     output.mkdir(parents=True, exist_ok=True)
     (output / f"{name}.json").write_text(json.dumps(summary, indent=2))
     print(f"\nload {name}: {json.dumps(summary)}")
-    assert report.calls > 0
-    assert report.errors == [], report.errors[:5]
-    assert report.isolation_violations == [], report.isolation_violations[:5]
+    for name, phase in report.phases.items():
+        assert phase.calls > 0, name
+        assert phase.errors == [], (name, phase.errors[:5])
+        assert phase.isolation_violations == [], (name, phase.isolation_violations[:5])
     after_warmup, end = summary["rss_mib_after_warmup"], summary["rss_mib_end"]
     assert end <= after_warmup * (1 + max_rss_growth), f"resident memory grew {after_warmup} -> {end} MiB"
     return summary
 
 
 def test_short_load_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
-    _load_test(tmp_path, LoadShape(users=40, facts_per_user=20, callers=50, duration_s=10), "short",
+    phases = (Phase("saturation", 6, offered_rps=None), Phase("paced", 6, offered_rps=25))
+    _load_test(tmp_path, LoadShape(users=40, facts_per_user=20, callers=50, phases=phases), "short",
                max_rss_growth=0.25)
 
 
 @pytest.mark.slow
 def test_full_load_200_callers_1000_users_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
-    _load_test(tmp_path, LoadShape(users=1000, facts_per_user=100, callers=200, duration_s=60), "full",
+    phases = (Phase("saturation", 60, offered_rps=None), Phase("paced", 60, offered_rps=FULL_PACED_RPS))
+    _load_test(tmp_path, LoadShape(users=1000, facts_per_user=100, callers=200, phases=phases), "full",
                max_rss_growth=0.10)
