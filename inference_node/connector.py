@@ -44,6 +44,7 @@ from inference_node.connector_stats import ConnectorPromMetrics, LoadStats
 from inference_node.node_cache import CachedKv, NodeKvCache, ResidencyHint
 from inference_node.settings import HEADER_CHUNK, PARAMS_KEY, NodeSettings
 from inference_node.staging import ChunkRef, KvStager, StagedChunks, chunk_key
+from inference_node.tensor_parallel import UNSHARDED, KvHeadShard, current_shard
 from inferscale_kv.rope import RotaryTables
 from inferscale_kv.shape import KvShape
 
@@ -114,14 +115,17 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._cache_dtype_is_model_dtype = vllm_config.cache_config.cache_dtype == "auto"
         self._model_config = vllm_config.model_config
+        tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         # Scheduler side: loads decided by update_state_after_alloc, not yet sent to the workers.
         self._pending: dict[str, LoadSpec] = {}
-        self._resident = ResidencyHint(self.settings.node_cache_mb << 20, _bytes_per_token(self._model_config))
+        self._resident = ResidencyHint(self.settings.node_cache_mb << 20,
+                                       _bytes_per_token_per_rank(self._model_config, tensor_parallel_size))
         # Worker side.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin on the device
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache(self.settings.node_cache_mb << 20)
-        self._stager = KvStager(self.settings, self._cache, self._model_config.hf_config)
+        shard = current_shard(tensor_parallel_size) if role == KVConnectorRole.WORKER else UNSHARDED
+        self._stager = KvStager(self.settings, self._cache, self._model_config.hf_config, shard)
         self._fetcher: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[LoadSpec, Future]] = {}
         self._failed_blocks: set[int] = set()
@@ -364,8 +368,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._mark("write")
 
 
-def _bytes_per_token(model_config: Any) -> int:
-    return KvShape.from_config(model_config.hf_config).elements_per_token() * model_config.dtype.itemsize
+def _bytes_per_token_per_rank(model_config: Any, tensor_parallel_size: int) -> int:
+    """KV bytes of one token in one rank's node cache (every rank holds the same number of heads)."""
+    shape = KvShape.from_config(model_config.hf_config)
+    heads = KvHeadShard(0, tensor_parallel_size).heads(shape.num_kv_heads)
+    return shape.elements_per_token() // shape.num_kv_heads * (heads.stop - heads.start) * model_config.dtype.itemsize
 
 
 def _failed_future(error: Exception) -> Future:

@@ -3,7 +3,9 @@
 A fetch is one streaming `FetchKv` call for all of a load's misses; each blob is checked (checksum, token ids)
 and decoded on the host into a pinned buffer, then copied to the device on a dedicated copy stream, so a fetch
 that runs on the async path overlaps the engine's compute. Device tensors made on the copy stream are recorded
-on the compute stream so that the allocator never reuses them under a kernel still reading them.
+on the compute stream so that the allocator never reuses them under a kernel still reading them. Under tensor
+parallelism each rank's stager keeps only its KV heads (`KvHeadShard`): it copies to its device, and caches, that
+slice alone. The blob over the wire still holds every head.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from inference_node.node_cache import CachedKv, NodeKvCache
 from inference_node.settings import HEADER_CHUNK, NodeSettings
+from inference_node.tensor_parallel import UNSHARDED, KvHeadShard
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
 from inferscale_kv.shape import KvShape
 from memory_service.kv_tiers import KvKey
@@ -47,17 +50,20 @@ class StagedChunks:
 
 
 class KvStager:
-    def __init__(self, settings: NodeSettings, cache: NodeKvCache, hf_config) -> None:
+    def __init__(self, settings: NodeSettings, cache: NodeKvCache, hf_config,
+                 shard: KvHeadShard = UNSHARDED) -> None:
         self.settings = settings
         self.cache = cache
         self._hf_config = hf_config
+        self.shard = shard
+        self._heads = shard.heads(KvShape.from_config(hf_config).num_kv_heads)
         self._stub = None
         self._stub_lock = threading.Lock()
         self._copy_stream: torch.cuda.Stream | None = None
 
     def stage(self, profile_id: str, user_id: str, chunks: Sequence[ChunkRef], device: torch.device,
               dtype: torch.dtype, compute_stream: torch.cuda.Stream | None) -> StagedChunks:
-        """Every chunk's KV on `device` in `dtype`; raises (LookupError, CorruptKvBlob, grpc.RpcError, ...) if
+        """Every chunk's KV (this rank's heads) on `device` in `dtype`; raises (LookupError, CorruptKvBlob, grpc.RpcError, ...) if
         any chunk cannot be had. Thread-safe: the async path calls it from a fetch thread."""
         keys = [chunk_key(profile_id, user_id, chunk) for chunk in chunks]
         entries = {key: self.cache.get(key) for key in keys}
@@ -92,9 +98,9 @@ class KvStager:
             kv = decode_kv_blob(reply.blob, dtype)
             if kv.header.token_ids != chunk.token_ids:
                 raise CorruptKvBlob(f"{key}: stored token ids differ from the prompt's")
-            host.append((kv.keys, kv.values, kv.header.token_ids))
+            host.append((kv.keys[:, :, self._heads], kv.values[:, :, self._heads], kv.header.token_ids))
         if device.type != "cuda":
-            return [CachedKv(k.to(device), v.to(device), t) for k, v, t in host]
+            return [CachedKv(k.to(device).contiguous(), v.to(device).contiguous(), t) for k, v, t in host]
         return self._to_device(host, device, compute_stream)
 
     def _to_device(self, host, device: torch.device, compute_stream: torch.cuda.Stream | None) -> list[CachedKv]:
@@ -119,7 +125,8 @@ class KvStager:
         return staged
 
     def _synthetic(self, chunk: ChunkRef, device: torch.device, dtype: torch.dtype) -> CachedKv:
-        shape = KvShape.from_config(self._hf_config).of(len(chunk.token_ids))
+        layers, tokens, _, head_dim = KvShape.from_config(self._hf_config).of(len(chunk.token_ids))
+        shape = (layers, tokens, self._heads.stop - self._heads.start, head_dim)
         return CachedKv(torch.randn(shape, device=device, dtype=dtype) * 0.1,
                         torch.randn(shape, device=device, dtype=dtype) * 0.1, chunk.token_ids)
 
