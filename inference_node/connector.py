@@ -370,9 +370,8 @@ class InferScaleConnector(KVConnectorBase_V1):
 
 def _bytes_per_token_per_rank(model_config: Any, tensor_parallel_size: int) -> int:
     """KV bytes of one token in one rank's node cache (every rank holds the same number of heads)."""
-    shape = KvShape.from_config(model_config.hf_config)
-    heads = KvHeadShard(0, tensor_parallel_size).heads(shape.num_kv_heads)
-    return shape.elements_per_token() // shape.num_kv_heads * (heads.stop - heads.start) * model_config.dtype.itemsize
+    rank_shape = KvHeadShard(0, tensor_parallel_size).of(KvShape.from_config(model_config.hf_config))
+    return rank_shape.elements_per_token() * model_config.dtype.itemsize
 
 
 def _failed_future(error: Exception) -> Future:

@@ -54,17 +54,17 @@ class KvStager:
                  shard: KvHeadShard = UNSHARDED) -> None:
         self.settings = settings
         self.cache = cache
-        self._hf_config = hf_config
-        self.shard = shard
-        self._heads = shard.heads(KvShape.from_config(hf_config).num_kv_heads)
+        model_shape = KvShape.from_config(hf_config)
+        self._heads = shard.heads(model_shape.num_kv_heads)
+        self._rank_shape = shard.of(model_shape)
         self._stub = None
         self._stub_lock = threading.Lock()
         self._copy_stream: torch.cuda.Stream | None = None
 
     def stage(self, profile_id: str, user_id: str, chunks: Sequence[ChunkRef], device: torch.device,
               dtype: torch.dtype, compute_stream: torch.cuda.Stream | None) -> StagedChunks:
-        """Every chunk's KV (this rank's heads) on `device` in `dtype`; raises (LookupError, CorruptKvBlob, grpc.RpcError, ...) if
-        any chunk cannot be had. Thread-safe: the async path calls it from a fetch thread."""
+        """Every chunk's KV (this rank's heads) on `device` in `dtype`; raises (LookupError, CorruptKvBlob,
+        grpc.RpcError, ...) if any chunk cannot be had. Thread-safe: the async path calls it from a fetch thread."""
         keys = [chunk_key(profile_id, user_id, chunk) for chunk in chunks]
         entries = {key: self.cache.get(key) for key in keys}
         missing = [(key, chunk) for key, chunk in zip(keys, chunks) if entries[key] is None]
@@ -125,8 +125,7 @@ class KvStager:
         return staged
 
     def _synthetic(self, chunk: ChunkRef, device: torch.device, dtype: torch.dtype) -> CachedKv:
-        layers, tokens, _, head_dim = KvShape.from_config(self._hf_config).of(len(chunk.token_ids))
-        shape = (layers, tokens, self._heads.stop - self._heads.start, head_dim)
+        shape = self._rank_shape.of(len(chunk.token_ids))
         return CachedKv(torch.randn(shape, device=device, dtype=dtype) * 0.1,
                         torch.randn(shape, device=device, dtype=dtype) * 0.1, chunk.token_ids)
 

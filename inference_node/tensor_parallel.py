@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inferscale_kv.shape import KvShape
+
 
 @dataclass(frozen=True)
 class KvHeadShard:
@@ -31,6 +33,11 @@ class KvHeadShard:
             raise ValueError(f"{self.size} tensor-parallel ranks do not replicate {total} KV heads evenly")
         head = self.rank // (self.size // total)
         return slice(head, head + 1)
+
+    def of(self, shape: KvShape) -> KvShape:
+        """The KV shape this rank holds of the model's `shape`."""
+        heads = self.heads(shape.num_kv_heads)
+        return KvShape(shape.num_layers, heads.stop - heads.start, shape.head_dim)
 
 
 UNSHARDED = KvHeadShard(rank=0, size=1)

@@ -141,9 +141,7 @@ class KvIndex:
         return lease_id, expires, [KvKey(profile_id, user, fact, version) for user, fact, version in rows]
 
     def job_version(self, profile_id: str, user_id: str, fact_id: str) -> int | None:
-        rows = self._query("SELECT version FROM jobs WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
-                           (profile_id, user_id, fact_id))
-        return rows[0][0] if rows else None
+        return self.job_versions(profile_id, user_id, [fact_id]).get(fact_id)
 
     def fail(self, key: KvKey, error: str) -> None:
         """Returns a failed job to the queue, or marks it failed after max_attempts."""

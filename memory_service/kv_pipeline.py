@@ -185,7 +185,7 @@ class KvPipeline:
         versions = {f.fact_id: f.version for f in facts}
         current = {fid: e for fid, e in entries.items() if versions[fid] == e.key.version}
         lacking = [f for f in facts if f.fact_id not in current]
-        jobs = self.index.job_versions(profile_id, user_id, [f.fact_id for f in lacking]) if lacking else {}
+        jobs = self.index.job_versions(profile_id, user_id, [f.fact_id for f in lacking])
         missing = [(user_id, f.fact_id, f.version) for f in lacking if jobs.get(f.fact_id) != f.version]
         if missing:
             self.index.enqueue([profile_id], missing)

@@ -43,8 +43,8 @@ class UserFactsCache:
     """LRU of UserFacts bounded by bytes. A user larger than the budget is marked until the next write to it and
     searched in LanceDB meanwhile (`may_hold` is False), so its facts are not read whole for every query.
 
-    Writers call `upsert(user, ...)` or `invalidate(user)` after committing and before acknowledging; readers take `generation(user)`
-    before reading LanceDB and pass it to `put`, which drops the entry if a write came in between.
+    Writers call `upsert(user, ...)` or `invalidate(user)` after committing and before acknowledging; readers take
+    `generation(user)` before reading LanceDB and pass it to `put`, which drops the entry if a write came in between.
     """
 
     def __init__(self, budget_bytes: int) -> None:

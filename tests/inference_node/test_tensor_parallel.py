@@ -37,12 +37,17 @@ def test_a_head_count_that_does_not_split_evenly_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def staged_facts(node_memory_service, node_stub, tiny_llama_dir) -> list[ChunkRef]:
-    profile = tiny_profile(tiny_llama_dir)
+def profile(tiny_llama_dir) -> pb.KvProfile:
+    return tiny_profile(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkRef]:
     node_stub.IngestFacts(pb.IngestFactsRequest(user_id=USER, facts=[
         pb.FactInput(fact_id=f"f{i}", text=text) for i, text in enumerate(FACTS)]))
     node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=USER, query="Erin", profile=profile, node_id="tp"))
-    token_ids = {item_text: AutoTokenizer.from_pretrained(tiny_llama_dir)(item_text)["input_ids"] for item_text in FACTS}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    token_ids = {text: tokenizer(text)["input_ids"] for text in FACTS}
     upload_custom_kv(node_stub, profile, USER, lambda item: (*random_kv(len(token_ids[item.text]), 7 + len(item.text)),
                                                              token_ids[item.text]))
     return [ChunkRef(f"f{i}", 1, tuple(token_ids[text])) for i, text in enumerate(FACTS)]
@@ -55,14 +60,14 @@ def _stager(memory_service, model_dir, shard: KvHeadShard) -> KvStager:
 
 
 def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
-        node_memory_service, tiny_llama_dir, staged_facts, tiny_profile_id) -> None:
+        node_memory_service, tiny_llama_dir, staged_facts, profile) -> None:
     config = AutoConfig.from_pretrained(tiny_llama_dir)
     tables = RotaryTables.from_config(config, 256)
     cpu = torch.device("cpu")
 
     def composed(shard: KvHeadShard) -> tuple[torch.Tensor, torch.Tensor]:
         staged = _stager(node_memory_service, tiny_llama_dir, shard).stage(
-            tiny_profile_id, USER, staged_facts, cpu, torch.float32, None)
+            profile.profile_id, USER, staged_facts, cpu, torch.float32, None)
         assert staged.hits == 0 and staged.lookups == len(staged_facts)
         slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in staged.entries]
         return compose_prefix(slices, 5, tables.cos.float(), tables.sin.float(), config.num_hidden_layers,
@@ -78,14 +83,9 @@ def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
 
 
 def test_a_rank_caches_only_its_share_of_the_bytes(node_memory_service, tiny_llama_dir, staged_facts,
-                                                   tiny_profile_id) -> None:
+                                                   profile) -> None:
     whole = _stager(node_memory_service, tiny_llama_dir, UNSHARDED)
     half = _stager(node_memory_service, tiny_llama_dir, KvHeadShard(1, 2))
     for stager in (whole, half):
-        stager.stage(tiny_profile_id, USER, staged_facts, torch.device("cpu"), torch.float32, None)
+        stager.stage(profile.profile_id, USER, staged_facts, torch.device("cpu"), torch.float32, None)
     assert half.cache.bytes_used * 2 == whole.cache.bytes_used > 0
-
-
-@pytest.fixture(scope="module")
-def tiny_profile_id(tiny_llama_dir) -> str:
-    return tiny_profile(tiny_llama_dir).profile_id
