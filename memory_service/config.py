@@ -11,6 +11,7 @@ from pathlib import Path
 
 ENV_PREFIX = "INFERSCALE_"
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+EMBEDDING_BACKENDS = ("onnx", "torch")
 
 
 class ConfigError(ValueError):
@@ -18,7 +19,7 @@ class ConfigError(ValueError):
 
 
 # ServiceConfig's file settings that may be unset.
-_OPTIONAL_PATHS = ("auth_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
+_OPTIONAL_PATHS = ("embedding_cache_dir", "auth_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class ServiceConfig:
     metrics_port: int = 9400
     embedding_model: str = DEFAULT_EMBEDDING_MODEL
     embedding_device: str = "cpu"
+    embedding_backend: str = "onnx"
+    embedding_cache_dir: Path | None = None  # the onnx backend's exported models; None: <data_dir>/embedding-onnx
     embedding_batch_size: int = 64
     embedding_threads: int = 1
     max_message_bytes: int = 64 * 1024 * 1024
@@ -82,6 +85,12 @@ class ServiceConfig:
                            ("--tls-client-ca-file", self.tls_client_ca_file)):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{flag}: {path} is not a file")
+        if self.embedding_backend not in EMBEDDING_BACKENDS:
+            raise ConfigError(f"--embedding-backend: {self.embedding_backend!r} is not one of "
+                              f"{', '.join(EMBEDDING_BACKENDS)}")
+        if self.embedding_backend == "onnx" and self.embedding_device != "cpu":
+            raise ConfigError(f"--embedding-backend onnx runs on cpu only; for --embedding-device "
+                              f"{self.embedding_device} use --embedding-backend torch")
         if self.embedding_batch_size < 1:
             raise ConfigError("--embedding-batch-size: must be at least 1")
         if self.embedding_threads < 1:
@@ -107,6 +116,10 @@ class ServiceConfig:
             raise ConfigError("--default-page-size: larger than --max-page-size")
         if self.data_dir.exists() and not self.data_dir.is_dir():
             raise ConfigError(f"--data-dir: {self.data_dir} exists and is not a directory")
+
+    @property
+    def resolved_embedding_cache_dir(self) -> Path:
+        return self.embedding_cache_dir or self.data_dir / "embedding-onnx"
 
     def as_log_fields(self) -> dict[str, object]:
         fields = dataclasses.asdict(self)
@@ -142,11 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--embedding-device", default=_env("embedding_device", defaults.embedding_device))
     parser.add_argument(
+        "--embedding-backend", default=_env("embedding_backend", defaults.embedding_backend),
+        help="onnx: ONNX Runtime on CPU (the model exported once into --embedding-cache-dir; the same vectors at"
+        " less overhead per call); torch: sentence-transformers on --embedding-device",
+    )
+    parser.add_argument(
+        "--embedding-cache-dir", default=_env("embedding_cache_dir", None),
+        help="where the onnx backend keeps exported models, keyed by the model's files (default: <data-dir>/embedding-onnx)",
+    )
+    parser.add_argument(
         "--embedding-batch-size", type=int, default=_env("embedding_batch_size", defaults.embedding_batch_size)
     )
     parser.add_argument(
         "--embedding-threads", type=int, default=_env("embedding_threads", defaults.embedding_threads),
-        help="torch intra-op threads for embedding",
+        help="intra-op threads for embedding (ONNX Runtime or torch)",
     )
     parser.add_argument(
         "--max-message-bytes", type=int, default=_env("max_message_bytes", defaults.max_message_bytes),
@@ -198,6 +220,7 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         metrics_port=int(args.metrics_port),
         embedding_model=args.embedding_model,
         embedding_device=args.embedding_device,
+        embedding_backend=args.embedding_backend,
         embedding_batch_size=int(args.embedding_batch_size),
         embedding_threads=int(args.embedding_threads),
         max_message_bytes=int(args.max_message_bytes),

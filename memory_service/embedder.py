@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from memory_service.config import DEFAULT_EMBEDDING_MODEL
+from memory_service.onnx_encoder import OnnxSentenceEncoder
 
 
 def resolve_model_path(model: str) -> str:
@@ -26,18 +27,42 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-class Embedder:
-    """Unit-normalized float32 embeddings; `load` must finish before `embed` or `embed_query` is called."""
+class TorchSentenceEncoder:
+    """sentence-transformers on torch: any model layout, any torch device."""
 
-    def __init__(self, model: str, device: str, batch_size: int, threads: int,
-                 observe_query_batch: Callable[[int], None] = lambda size: None) -> None:
+    def __init__(self, model_dir: str, device: str, batch_size: int, threads: int) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(threads)
+        self._model = SentenceTransformer(model_dir, device=device)
+        self._batch_size = batch_size
+        self.dim = int(self._model.get_embedding_dimension())
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        return self._model.encode(texts, batch_size=self._batch_size, normalize_embeddings=True,
+                                  convert_to_numpy=True, show_progress_bar=False)
+
+
+class Embedder:
+    """Unit-normalized float32 embeddings; `load` must finish before `embed` or `embed_query` is called.
+
+    Backends: "onnx" (ONNX Runtime, CPU; exported once into `cache_dir`) or "torch" (sentence-transformers). Both
+    give the same vectors to float rounding, so the stored embeddings do not depend on the backend."""
+
+    def __init__(self, model: str, device: str, batch_size: int, threads: int, backend: str = "onnx",
+                 cache_dir: Path | None = None, observe_query_batch: Callable[[int], None] = lambda size: None) -> None:
+        if backend == "onnx" and cache_dir is None:
+            raise ValueError("the onnx backend needs a cache_dir for its exported model")
         self.model_name = model
+        self.backend = backend
         self._device = device
         self._batch_size = batch_size
         self._threads = threads
+        self._cache_dir = cache_dir
         # Two workers: a query embedding need not wait behind a large ingest batch.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="embed")
-        self._model = None
+        self._encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
         self.dim = 0
         self._observe_query_batch = observe_query_batch
         self._pending_queries: list[tuple[str, asyncio.Future]] = []
@@ -45,23 +70,26 @@ class Embedder:
 
     def _load_blocking(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import torch
-        from sentence_transformers import SentenceTransformer
-
-        torch.set_num_threads(self._threads)
-        self._model = SentenceTransformer(resolve_model_path(self.model_name), device=self._device)
-        self.dim = int(self._model.get_embedding_dimension())
+        model_dir = resolve_model_path(self.model_name)
+        if self.backend == "onnx":
+            assert self._cache_dir is not None
+            self._encoder = OnnxSentenceEncoder.load(Path(model_dir), self._cache_dir, self._threads)
+        else:
+            self._encoder = TorchSentenceEncoder(model_dir, self._device, self._batch_size, self._threads)
+        self.dim = self._encoder.dim
 
     async def load(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self._load_blocking)
 
     def _embed_blocking(self, texts: list[str]) -> np.ndarray:
-        assert self._model is not None, "Embedder.load() was not awaited"
-        vectors = self._model.encode(
-            texts, batch_size=self._batch_size, normalize_embeddings=True, convert_to_numpy=True,
-            show_progress_bar=False,
-        )
-        return np.asarray(vectors, dtype=np.float32)
+        assert self._encoder is not None, "Embedder.load() was not awaited"
+        order = sorted(range(len(texts)), key=lambda index: len(texts[index]))  # batches of like lengths pad less
+        ordered = [texts[index] for index in order]
+        chunks = [self._encoder.encode(ordered[start:start + self._batch_size])
+                  for start in range(0, len(ordered), self._batch_size)]
+        vectors = np.empty((len(texts), self.dim), dtype=np.float32)
+        vectors[order] = np.concatenate(chunks)
+        return vectors
 
     async def embed(self, texts: list[str]) -> np.ndarray:
         """Embeds texts into a [len(texts), dim] float32 array of unit vectors."""

@@ -22,6 +22,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def shared_embedding_cache_dir() -> Path:
+    """The user's cache for exported embedding models ($XDG_CACHE_HOME/inferscale/embedding-onnx)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferscale" / "embedding-onnx"
+
+
 class MemoryServiceProcess:
     """A memory service on free loopback ports; `start` returns once health says SERVING."""
 
@@ -41,6 +46,8 @@ class MemoryServiceProcess:
 
     def start(self) -> MemoryServiceProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # Services started here share one exported embedding model instead of exporting one per data directory.
+        env.setdefault("INFERSCALE_EMBEDDING_CACHE_DIR", str(shared_embedding_cache_dir()))
         command = [
             sys.executable, "-m", "memory_service",
             "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),

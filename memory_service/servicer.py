@@ -146,6 +146,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.access = AccessControl.from_file(config.auth_file)
         self.embedder = Embedder(
             config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads,
+            backend=config.embedding_backend, cache_dir=config.resolved_embedding_cache_dir,
             observe_query_batch=metrics.query_batch_queries.observe,
         )
         self.store: FactStore | None = None

@@ -51,3 +51,21 @@ def test_invalid_config_exits_with_status_2_and_a_message() -> None:
     )
     assert result.returncode == 2
     assert "--log-level" in result.stderr
+
+
+def test_the_onnx_embedding_backend_on_a_gpu_device_is_refused_pointing_at_torch() -> None:
+    with pytest.raises(ConfigError, match="--embedding-backend torch"):
+        load_config(["--data-dir", "/tmp/x", "--embedding-device", "cuda"])
+    assert load_config(["--data-dir", "/tmp/x", "--embedding-device", "cuda", "--embedding-backend", "torch"])
+
+
+def test_an_unknown_embedding_backend_is_refused_listing_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="onnx, torch"):
+        load_config(["--data-dir", "/tmp/x", "--embedding-backend", "openvino"])
+
+
+def test_the_embedding_cache_defaults_into_the_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INFERSCALE_EMBEDDING_CACHE_DIR", raising=False)
+    assert load_config(["--data-dir", "/tmp/x"]).resolved_embedding_cache_dir == Path("/tmp/x/embedding-onnx")
+    assert load_config(["--data-dir", "/tmp/x", "--embedding-cache-dir", "/tmp/c"]).resolved_embedding_cache_dir \
+        == Path("/tmp/c")

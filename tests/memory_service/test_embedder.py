@@ -9,6 +9,7 @@ import pytest
 
 from memory_service.config import DEFAULT_EMBEDDING_MODEL
 from memory_service.embedder import Embedder
+from memory_service.launcher import shared_embedding_cache_dir
 
 QUERIES = [f"what did I say about topic {i}?" for i in range(24)] + ["", "日本語の質問 🙂"]
 
@@ -16,7 +17,8 @@ QUERIES = [f"what did I say about topic {i}?" for i in range(24)] + ["", "日本
 @pytest.fixture(scope="module")
 def embedder():
     sizes: list[int] = []
-    model = Embedder(DEFAULT_EMBEDDING_MODEL, "cpu", batch_size=16, threads=1, observe_query_batch=sizes.append)
+    model = Embedder(DEFAULT_EMBEDDING_MODEL, "cpu", batch_size=16, threads=1, cache_dir=shared_embedding_cache_dir(),
+                     observe_query_batch=sizes.append)
     asyncio.run(model.load())
     model.batch_sizes = sizes
     yield model
