@@ -1,0 +1,72 @@
+"""FactStore's search path on a real LanceDB: concurrent searches of a user not yet cached share one read, and a
+search that starts after a write never gets a read made before it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from memory_service.models import NewFact
+from memory_service.store import FactStore
+
+DIM = 4
+
+
+async def _axis_embed(texts: list[str]) -> np.ndarray:
+    """Fact "axis-i ..." embeds to the unit vector e_i: rankings known in advance."""
+    vectors = np.zeros((len(texts), DIM), dtype=np.float32)
+    for row, text in enumerate(texts):
+        vectors[row, int(text.split()[0].removeprefix("axis-"))] = 1.0
+    return vectors
+
+
+def _query(axis: int) -> np.ndarray:
+    return np.eye(DIM, dtype=np.float32)[axis]
+
+
+async def _store_with_facts(tmp_path) -> tuple[FactStore, list[int]]:
+    store = FactStore(tmp_path, "test-embedder", DIM)
+    await store.open()
+    await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact") for i in range(3)], _axis_embed)
+    store._search_cache.invalidate("u")  # cold, as after a restart
+    reads: list[int] = []
+    real_read = store._user_facts
+
+    async def counted_read(user_id: str):
+        reads.append(1)
+        await asyncio.sleep(0.05)  # a read slow enough for the other searches to arrive while it runs
+        return await real_read(user_id)
+
+    store._user_facts = counted_read
+    return store, reads
+
+
+async def test_concurrent_searches_of_an_uncached_user_share_one_lancedb_read(tmp_path) -> None:
+    store, reads = await _store_with_facts(tmp_path)
+    results = await asyncio.gather(*(store.search("u", _query(i % 3), 1) for i in range(30)))
+    assert len(reads) == 1
+    assert [r[0].fact.fact_id for r in results] == [f"f{i % 3}" for i in range(30)]
+    await store.search("u", _query(0), 1)
+    assert len(reads) == 1  # installed in the cache
+
+
+async def test_a_search_after_a_write_does_not_join_a_read_started_before_it(tmp_path) -> None:
+    store, reads = await _store_with_facts(tmp_path)
+    early = asyncio.ensure_future(store.search("u", _query(3), 1))
+    await asyncio.sleep(0.01)  # the first read is in flight
+    await store.ingest_facts("u", [NewFact("f3", "axis-3 written during the read")], _axis_embed)
+    late = await store.search("u", _query(3), 1)
+    assert late[0].fact.fact_id == "f3"
+    assert len(reads) == 2
+    await early
+
+
+async def test_a_cancelled_search_leaves_the_shared_read_to_the_others(tmp_path) -> None:
+    store, reads = await _store_with_facts(tmp_path)
+    first = asyncio.ensure_future(store.search("u", _query(1), 1))
+    second = asyncio.ensure_future(store.search("u", _query(2), 1))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    assert (await second)[0].fact.fact_id == "f2"
+    assert len(reads) == 1
