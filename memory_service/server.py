@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 
 import grpc
 import structlog
@@ -20,7 +21,6 @@ from memory_service.servicer import MemoryServicer
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
-OPTIMIZE_INTERVAL_S = 30.0
 
 
 def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
@@ -35,12 +35,13 @@ def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
 async def _optimize_periodically(servicer: MemoryServicer) -> None:
     """Folds small write fragments together so per-user scans stay fast as ingests accumulate."""
     while True:
-        await asyncio.sleep(OPTIMIZE_INTERVAL_S)
+        await asyncio.sleep(servicer.config.optimize_interval_s)
         store = servicer.store
         if store is not None and store.writes_since_optimize:
             try:
+                started = time.perf_counter()
                 await store.optimize()
-                log.info("store_optimized")
+                log.info("store_optimized", seconds=round(time.perf_counter() - started, 3))
             except Exception:  # noqa: BLE001 - maintenance must not take the service down
                 log.exception("store_optimize_failed")
 

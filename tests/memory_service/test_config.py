@@ -69,3 +69,8 @@ def test_the_embedding_cache_defaults_into_the_data_dir(monkeypatch: pytest.Monk
     assert load_config(["--data-dir", "/tmp/x"]).resolved_embedding_cache_dir == Path("/tmp/x/embedding-onnx")
     assert load_config(["--data-dir", "/tmp/x", "--embedding-cache-dir", "/tmp/c"]).resolved_embedding_cache_dir \
         == Path("/tmp/c")
+
+
+def test_a_non_positive_optimize_interval_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--optimize-interval-s"):
+        load_config(["--data-dir", "/tmp/x", "--optimize-interval-s", "0"])
