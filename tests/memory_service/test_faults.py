@@ -83,9 +83,14 @@ def test_kill_9_during_acknowledged_ingests_loses_none_duplicates_none_and_the_k
             (kv,) = [p for p in stub.GetStats(pb.GetStatsRequest(user_id=USER)).profiles
                      if p.profile_id == profile.profile_id]
             assert kv.queued + kv.leased + kv.done == len(stored)  # every fact still has its KV work queued
-            lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="after-restart", profile_id=profile.profile_id,
-                                                           max_facts=1000, lease_seconds=60))
-            assert len(lease.items) == len(stored)
+            leased: list[str] = []
+            while True:  # leases are capped (--kv-lease-max-facts): take them until the queue is empty
+                lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(
+                    worker_id="after-restart", profile_id=profile.profile_id, max_facts=1000, lease_seconds=60))
+                if not lease.items:
+                    break
+                leased += [item.fact_id for item in lease.items]
+            assert sorted(leased) == sorted(stored)
     finally:
         restarted.stop()
 
