@@ -75,11 +75,11 @@ def export_key(model_dir: Path) -> str:
 class OnnxSentenceEncoder:
     """Unit-normalized float32 sentence embeddings from an ONNX Runtime session; `encode` is thread-safe."""
 
-    def __init__(self, model_dir: Path, onnx_path: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, spec: PipelineSpec, onnx_path: Path, threads: int) -> None:
         import onnxruntime
         from transformers import AutoTokenizer
 
-        self.spec = read_pipeline(model_dir)
+        self.spec = spec
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
@@ -92,11 +92,11 @@ class OnnxSentenceEncoder:
     @classmethod
     def load(cls, model_dir: Path, cache_dir: Path, threads: int) -> OnnxSentenceEncoder:
         """The cached export for this model, made (and checked) first if missing."""
-        read_pipeline(model_dir)  # refuse unsupported layouts before spending an export on them
+        spec = read_pipeline(model_dir)  # refuses unsupported layouts before an export is spent on them
         onnx_path = cache_dir / f"{model_dir.name}-{export_key(model_dir)}.onnx"
-        if not onnx_path.exists():
-            _export_checked(model_dir, onnx_path, threads)
-        return cls(model_dir, onnx_path, threads)
+        if onnx_path.exists():
+            return cls(model_dir, spec, onnx_path, threads)
+        return _export_checked(model_dir, spec, onnx_path, threads)
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """[len(texts), dim] unit vectors, as sentence-transformers' encode(normalize_embeddings=True) gives."""
@@ -113,8 +113,9 @@ class OnnxSentenceEncoder:
         return (pooled / norms).astype(np.float32)
 
 
-def _export_checked(model_dir: Path, onnx_path: Path, threads: int) -> None:
-    """Exports the transformer to `onnx_path` (atomically) once its embeddings match sentence-transformers'."""
+def _export_checked(model_dir: Path, spec: PipelineSpec, onnx_path: Path, threads: int) -> OnnxSentenceEncoder:
+    """Exports the transformer to `onnx_path` (atomically) once its embeddings match sentence-transformers';
+    returns the encoder the check ran on (its session holds the model in memory, wherever the file moves)."""
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -142,7 +143,8 @@ def _export_checked(model_dir: Path, onnx_path: Path, threads: int) -> None:
                           dynamic_axes={name: dynamic for name in [*input_names, "last_hidden_state"]},
                           opset_version=ONNX_OPSET, dynamo=False)
     try:
-        exported = OnnxSentenceEncoder(model_dir, partial, threads).encode(PROBE_TEXTS)
+        encoder = OnnxSentenceEncoder(model_dir, spec, partial, threads)
+        exported = encoder.encode(PROBE_TEXTS)
         expected = reference.encode(PROBE_TEXTS, normalize_embeddings=True, convert_to_numpy=True,
                                     show_progress_bar=False)
         deviation = float(np.abs(exported - expected).max())
@@ -152,3 +154,4 @@ def _export_checked(model_dir: Path, onnx_path: Path, threads: int) -> None:
         partial.replace(onnx_path)
     finally:
         partial.unlink(missing_ok=True)
+    return encoder
