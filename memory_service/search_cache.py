@@ -1,12 +1,14 @@
 """Per-user fact matrices in memory, so that a query's exact top-k is one matrix-vector product instead of a
 LanceDB scan (which costs milliseconds of CPU per query and queues under hundreds of concurrent callers).
 
-LanceDB stays the source of truth: a user's entry is loaded from it on the first search, dropped by every write
-to that user, and only installed when no write to the user happened while it was being read.
+LanceDB stays the source of truth: a user's entry is loaded from it on the first search, updated or dropped by
+every write to that user, and only installed when no write to the user happened while it was being read. So a
+cached entry holds exactly the user's committed facts, and ingest checks which facts exist against it.
 """
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,26 +19,44 @@ from memory_service.models import ScoredFact, StoredFact
 
 _GENERATION_STRIPES = 4096  # write generations per stripe of users: bounded memory, rare needless misses
 
+FACT_ROW_COLUMNS = ("user_id", "fact_id", "text", "source_turn_id", "timestamp_us", "metadata_json", "version",
+                    "created_at_us", "updated_at_us", "content_hash")
+FactRow = tuple[str, str, str, str, int, str, int, int, int, str]
+"""A cached fact: its FACT_ROW_COLUMNS in order, metadata as JSON text. A tuple of strings and ints is one that
+Python's garbage collector stops tracking, so 100k cached facts do not add 200k objects (a StoredFact and its
+metadata dict each) to every full collection, which stops the event loop for as long as it traverses them."""
+
+
+def stored_fact(row: FactRow) -> StoredFact:
+    user_id, fact_id, text, source_turn_id, timestamp_us, metadata_json, version, created_at_us, updated_at_us, _ = row
+    return StoredFact(user_id=user_id, fact_id=fact_id, text=text, source_turn_id=source_turn_id,
+                      timestamp_us=timestamp_us, metadata=json.loads(metadata_json), version=version,
+                      created_at_us=created_at_us, updated_at_us=updated_at_us)
+
 
 @dataclass(frozen=True)
 class UserFacts:
-    """A user's facts and their unit embeddings, row i belonging to facts[i]."""
+    """A user's facts and their unit embeddings, vectors[i] belonging to rows[i]."""
 
-    facts: list[StoredFact]
-    vectors: np.ndarray  # [len(facts), dim] float32
+    rows: list[FactRow]
+    vectors: np.ndarray  # [len(rows), dim] float32
 
     @property
     def nbytes(self) -> int:
-        return self.vectors.nbytes + sum(len(fact.text) + 256 for fact in self.facts)
+        return self.vectors.nbytes + sum(len(row[2]) + len(row[5]) + 256 for row in self.rows)
+
+    def versions(self, fact_ids: set[str]) -> dict[str, tuple[str, int, int]]:
+        """fact_id -> (content_hash, version, created_at_us) for those of `fact_ids` the user has."""
+        return {row[1]: (row[9], row[6], row[7]) for row in self.rows if row[1] in fact_ids}
 
     def top_k(self, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k, best first (ties by fact_id, as LanceDB's exact search would return either)."""
-        if not self.facts:
+        if not self.rows:
             return []
         scores = self.vectors @ query_vector.astype(np.float32)
         chosen = np.arange(len(scores)) if top_k >= len(scores) else np.argpartition(-scores, top_k - 1)[:top_k]
-        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.facts[i].fact_id))
-        return [ScoredFact(fact=self.facts[i], score=float(scores[i])) for i in ranked]
+        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.rows[i][1]))
+        return [ScoredFact(fact=stored_fact(self.rows[i]), score=float(scores[i])) for i in ranked]
 
 
 class UserFactsCache:
@@ -80,25 +100,26 @@ class UserFactsCache:
             self._drop(next(iter(self._entries)))
         return True
 
-    def upsert(self, user_id: str, facts: list[StoredFact], vectors: np.ndarray) -> None:
-        """Applies a committed write of `facts` (new or replacing those with their fact_ids) to the user's entry, if
-        cached, so that a write does not cost the next query a reload; like `invalidate`, drops reads in flight."""
+    def upsert(self, user_id: str, rows: list[FactRow], vectors: np.ndarray) -> None:
+        """Applies a committed write of `rows` (new facts, or replacing those with their fact_ids) to the user's
+        entry, if cached, so that a write does not cost the next query a reload; like `invalidate`, drops reads in
+        flight."""
         entry = self._entries.get(user_id)
         self.invalidate(user_id)
         if entry is None:
             return
-        row_of = {fact.fact_id: row for row, fact in enumerate(entry.facts)}
-        merged_facts, merged_vectors = list(entry.facts), entry.vectors.copy()
+        position = {row[1]: index for index, row in enumerate(entry.rows)}
+        merged_rows, merged_vectors = list(entry.rows), entry.vectors.copy()
         appended: list[int] = []
-        for index, fact in enumerate(facts):
-            row = row_of.get(fact.fact_id)
-            if row is None:
+        for index, row in enumerate(rows):
+            at = position.get(row[1])
+            if at is None:
                 appended.append(index)
-                merged_facts.append(fact)
+                merged_rows.append(row)
             else:
-                merged_facts[row] = fact
-                merged_vectors[row] = vectors[index]
-        merged = UserFacts(merged_facts, np.concatenate([merged_vectors, vectors[appended]]))
+                merged_rows[at] = row
+                merged_vectors[at] = vectors[index]
+        merged = UserFacts(merged_rows, np.concatenate([merged_vectors, vectors[appended]]))
         self.put(user_id, merged, self.generation(user_id))
 
     def invalidate(self, user_id: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import time
 
@@ -93,6 +94,11 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if load.done():
             load.result()
+            # What is alive now (libraries, models: ~400k objects) lives as long as the process. Frozen, it leaves
+            # the garbage collector's view; otherwise every full collection traverses it all, stopping the event
+            # loop 250-350 ms every few seconds under load.
+            gc.collect()
+            gc.freeze()
             for name in ("", SERVICE_NAME):
                 await health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("ready", embedding_model=config.embedding_model, embedding_dim=servicer.embedder.dim)

@@ -33,7 +33,7 @@ from memory_service.models import (
     StoredFact,
     StoredTurn,
 )
-from memory_service.search_cache import UserFacts, UserFactsCache
+from memory_service.search_cache import FACT_ROW_COLUMNS, UserFacts, UserFactsCache
 
 log = structlog.get_logger(__name__)
 
@@ -203,8 +203,14 @@ class FactStore:
 
     @asynccontextmanager
     async def _user_writes(self, user_id: str) -> AsyncIterator[None]:
+        """Serializes the user's writes. A write that fails drops the user's cached facts: it may have committed
+        in part, and a cached entry must hold exactly the committed facts (ingest trusts it)."""
         async with self._user_locks[zlib.crc32(user_id.encode()) % _USER_LOCK_STRIPES]:
-            yield
+            try:
+                yield
+            except BaseException:
+                self._search_cache.invalidate(user_id)
+                raise
 
     async def _commit(self, table: lancedb.table.AsyncTable, rows: pa.Table, all_new: bool = False) -> None:
         """Upserts `rows` by key. `all_new`: the caller checked, under the user's write lock, that no key exists,
@@ -219,8 +225,13 @@ class FactStore:
 
     # ------------------------------------------------------------------ facts
 
-    async def existing_fact_versions(self, user_id: str, fact_ids: Sequence[str]) -> dict[str, tuple[str, int, int]]:
-        """fact_id -> (content_hash, version, created_at_us) for the ids the user has."""
+    async def _existing_fact_versions(self, user_id: str, fact_ids: Sequence[str]) -> dict[str, tuple[str, int, int]]:
+        """fact_id -> (content_hash, version, created_at_us) for the ids the user has: from the user's cached facts
+        when cached (callers hold the user's write lock, so the entry is current), else from LanceDB (a filtered
+        scan: ~50 ms of CPU at 100k rows with unindexed ones, taken from concurrent queries)."""
+        cached = self._search_cache.get(user_id)
+        if cached is not None:
+            return cached.versions(set(fact_ids))
         rows = await (
             self._facts_table.query()
             .where(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(fact_ids)})")
@@ -239,7 +250,7 @@ class FactStore:
         for different users of one tenant racing each other can overshoot it by one batch each).
         """
         async with self._user_writes(user_id):
-            existing = await self.existing_fact_versions(user_id, [fact.fact_id for fact in facts])
+            existing = await self._existing_fact_versions(user_id, [fact.fact_id for fact in facts])
             results: list[IngestResult] = []
             to_write: list[tuple[NewFact, int, int]] = []
             now = _now_us()
@@ -282,7 +293,8 @@ class FactStore:
                 ]
                 await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)),
                                    all_new=len(to_write) == created)
-                self._search_cache.upsert(user_id, [_stored_fact(record) for record in records], vectors)
+                self._search_cache.upsert(
+                    user_id, [tuple(record[column] for column in FACT_ROW_COLUMNS) for record in records], vectors)
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -336,10 +348,10 @@ class FactStore:
 
     async def _user_facts(self, user_id: str) -> UserFacts:
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
-            [*_FACT_COLUMNS, "vector"]).to_arrow()
+            [*FACT_ROW_COLUMNS, "vector"]).to_arrow()
         vectors = table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        facts = [_stored_fact(row) for row in table.drop_columns(["vector"]).to_pylist()]
-        return UserFacts(facts, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(facts), self._dim))
+        rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS)))
+        return UserFacts(rows, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(rows), self._dim))
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -361,7 +373,7 @@ class FactStore:
     async def delete_facts(self, user_id: str, fact_ids: Sequence[str]) -> list[str]:
         """Deletes the given facts; returns the ids that existed."""
         async with self._user_writes(user_id):
-            found = list(await self.existing_fact_versions(user_id, fact_ids))
+            found = list(await self._existing_fact_versions(user_id, fact_ids))
             if found:
                 async with self._commit_lock:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")

@@ -1,13 +1,15 @@
-"""FactStore's search path on a real LanceDB: concurrent searches of a user not yet cached share one read, and a
-search that starts after a write never gets a read made before it."""
+"""FactStore on a real LanceDB: concurrent searches of a user not yet cached share one read, a search that starts
+after a write never gets a read made before it, and ingest's check of which facts exist (answered by the search
+cache for cached users) neither duplicates nor misses a fact, also after a write that failed."""
 
 from __future__ import annotations
 
 import asyncio
 
 import numpy as np
+import pytest
 
-from memory_service.models import NewFact
+from memory_service.models import IngestOutcome, NewFact
 from memory_service.store import FactStore
 
 DIM = 4
@@ -70,3 +72,42 @@ async def test_a_cancelled_search_leaves_the_shared_read_to_the_others(tmp_path)
     first.cancel()
     assert (await second)[0].fact.fact_id == "f2"
     assert len(reads) == 1
+
+
+async def _cached_store(tmp_path) -> FactStore:
+    store = FactStore(tmp_path, "test-embedder", DIM)
+    await store.open()
+    await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact") for i in range(2)], _axis_embed)
+    await store.search("u", _query(0), 1)
+    assert store._search_cache.get("u") is not None
+    return store
+
+
+async def test_ingest_for_a_cached_user_tells_created_updated_and_unchanged_apart_without_duplicates(tmp_path) -> None:
+    store = await _cached_store(tmp_path)
+    results = await store.ingest_facts("u", [NewFact("f0", "axis-0 fact"), NewFact("f1", "axis-1 changed"),
+                                             NewFact("f2", "axis-2 new")], _axis_embed)
+    assert [(r.fact_id, r.version, r.outcome) for r in results] == [
+        ("f0", 1, IngestOutcome.UNCHANGED), ("f1", 2, IngestOutcome.UPDATED), ("f2", 1, IngestOutcome.CREATED)]
+    assert await store._facts_table.count_rows() == 3
+    store._search_cache.invalidate("u")  # LanceDB, read afresh, agrees with what the cache answered
+    assert {f.fact_id: (f.version, f.text) for f in [r.fact for r in await store.search("u", _query(1), 3)]} == {
+        "f0": (1, "axis-0 fact"), "f1": (2, "axis-1 changed"), "f2": (1, "axis-2 new")}
+
+
+async def test_a_write_that_fails_after_committing_drops_the_cache_so_its_retry_is_not_duplicated(tmp_path) -> None:
+    store = await _cached_store(tmp_path)
+    real_commit = store._commit
+
+    async def commit_then_fail(*args, **kwargs) -> None:
+        await real_commit(*args, **kwargs)
+        raise OSError("connection lost after the commit")
+
+    store._commit = commit_then_fail
+    with pytest.raises(OSError):
+        await store.ingest_facts("u", [NewFact("f2", "axis-2 new")], _axis_embed)
+    store._commit = real_commit
+    assert store._search_cache.get("u") is None
+    retried = await store.ingest_facts("u", [NewFact("f2", "axis-2 new")], _axis_embed)
+    assert [(r.version, r.outcome) for r in retried] == [(1, IngestOutcome.UNCHANGED)]
+    assert await store._facts_table.count_rows() == 3
