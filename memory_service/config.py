@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--embedding-threads", type=int, default=_env("embedding_threads", defaults.embedding_threads),
-        help="intra-op threads for embedding (ONNX Runtime or torch)",
+        help="intra-op threads for embedding (ONNX Runtime: of each of the query and ingest sessions; torch)",
     )
     parser.add_argument(
         "--max-message-bytes", type=int, default=_env("max_message_bytes", defaults.max_message_bytes),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,11 +46,26 @@ class TorchSentenceEncoder:
                                   convert_to_numpy=True, show_progress_bar=False)
 
 
+INGEST_NICE = 10
+"""Nice value of ingest's embedding threads. Queries are on the request path of every answer; ingest is not. On a
+busy CPU the scheduler gives a nice-10 thread about a tenth of a nice-0 one's share, so an ingest batch no longer
+takes cores from the queries arriving while it runs (and has them all when no query does)."""
+
+
+def _lower_thread_priority() -> None:
+    """Lowers the calling thread's priority. On Linux nice is per thread and inherited by the threads it starts,
+    so an ONNX Runtime session created from this thread computes at this priority too."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), INGEST_NICE)
+
+
 class Embedder:
     """Unit-normalized float32 embeddings; `load` must finish before `embed` or `embed_query` is called.
 
     Backends: "onnx" (ONNX Runtime, CPU; exported once into `cache_dir`) or "torch" (sentence-transformers). Both
-    give the same vectors to float rounding, so the stored embeddings do not depend on the backend."""
+    give the same vectors to float rounding, so the stored embeddings do not depend on the backend. Queries and
+    ingest run on threads of their own; with onnx each has its own session, ingest's at lower priority
+    (INGEST_NICE). torch shares one model, whose intra-op threads keep their priority."""
 
     def __init__(self, model: str, device: str, batch_size: int, threads: int, backend: str = "onnx",
                  cache_dir: Path | None = None, observe_query_batch: Callable[[int], None] = lambda size: None) -> None:
@@ -60,47 +77,55 @@ class Embedder:
         self._batch_size = batch_size
         self._threads = threads
         self._cache_dir = cache_dir
-        # Two workers: a query embedding need not wait behind a large ingest batch.
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="embed")
-        self._encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
+        self._query_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-query")
+        self._ingest_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-ingest",
+                                                   initializer=_lower_thread_priority)
+        self._query_encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
+        self._ingest_encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
         self.dim = 0
         self._observe_query_batch = observe_query_batch
         self._pending_queries: list[tuple[str, asyncio.Future]] = []
         self._query_drain: asyncio.Task | None = None
 
-    def _load_blocking(self) -> None:
+    def _load_blocking(self) -> OnnxSentenceEncoder | TorchSentenceEncoder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         model_dir = resolve_model_path(self.model_name)
         if self.backend == "onnx":
             assert self._cache_dir is not None
-            self._encoder = OnnxSentenceEncoder.load(Path(model_dir), self._cache_dir, self._threads)
-        else:
-            self._encoder = TorchSentenceEncoder(model_dir, self._device, self._batch_size, self._threads)
-        self.dim = self._encoder.dim
+            return OnnxSentenceEncoder.load(Path(model_dir), self._cache_dir, self._threads)
+        return TorchSentenceEncoder(model_dir, self._device, self._batch_size, self._threads)
 
     async def load(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._load_blocking)
+        loop = asyncio.get_running_loop()
+        self._query_encoder = await loop.run_in_executor(self._query_executor, self._load_blocking)
+        self.dim = self._query_encoder.dim
+        if self.backend == "onnx":  # the export is cached by now; this session's threads start at ingest's priority
+            self._ingest_encoder = await loop.run_in_executor(self._ingest_executor, self._load_blocking)
+        else:
+            self._ingest_encoder = self._query_encoder
 
-    def _embed_blocking(self, texts: list[str]) -> np.ndarray:
-        assert self._encoder is not None, "Embedder.load() was not awaited"
+    def _embed_blocking(self, encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None,
+                        texts: list[str]) -> np.ndarray:
+        assert encoder is not None, "Embedder.load() was not awaited"
         order = sorted(range(len(texts)), key=lambda index: len(texts[index]))  # batches of like lengths pad less
         ordered = [texts[index] for index in order]
-        chunks = [self._encoder.encode(ordered[start:start + self._batch_size])
+        chunks = [encoder.encode(ordered[start:start + self._batch_size])
                   for start in range(0, len(ordered), self._batch_size)]
         vectors = np.empty((len(texts), self.dim), dtype=np.float32)
         vectors[order] = np.concatenate(chunks)
         return vectors
 
     async def embed(self, texts: list[str]) -> np.ndarray:
-        """Embeds texts into a [len(texts), dim] float32 array of unit vectors."""
+        """Embeds texts (facts being ingested) into a [len(texts), dim] float32 array of unit vectors."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed_blocking, texts)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._ingest_executor, self._embed_blocking, self._ingest_encoder, texts)
 
     async def embed_query(self, text: str) -> np.ndarray:
         """One query's [dim] embedding. Queries that arrive while a batch is being embedded wait for it and go
         together in the next one: one model call per batch instead of per query, with no added delay when idle
-        (under load, per-query calls would queue behind each other on the embedding executor)."""
+        (under load, per-query calls would queue behind each other on the query thread)."""
         future = asyncio.get_running_loop().create_future()
         self._pending_queries.append((text, future))
         if self._query_drain is None:
@@ -114,7 +139,8 @@ class Embedder:
                 del self._pending_queries[: len(batch)]
                 self._observe_query_batch(len(batch))
                 try:
-                    vectors = await self.embed([text for text, _ in batch])
+                    vectors = await asyncio.get_running_loop().run_in_executor(
+                        self._query_executor, self._embed_blocking, self._query_encoder, [text for text, _ in batch])
                 except Exception as error:  # noqa: BLE001 -- every waiter gets the failure; the next batch runs
                     for _, future in batch:
                         if not future.done():
@@ -127,4 +153,5 @@ class Embedder:
             self._query_drain = None
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._query_executor, self._ingest_executor):
+            executor.shutdown(wait=False, cancel_futures=True)

@@ -84,6 +84,9 @@ class OnnxSentenceEncoder:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Idle intra-op threads sleep instead of spinning: a spinning thread holds a core that the event loop and the
+        # other session need (paced 80-120 req/s on 2 cores: p99 39-51 ms instead of 59-76 ms).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         self._session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         self._input_names = [node.name for node in self._session.get_inputs()]
