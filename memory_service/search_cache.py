@@ -25,6 +25,9 @@ FactRow = tuple[str, str, str, str, int, str, int, int, int, str]
 """A cached fact: its FACT_ROW_COLUMNS in order, metadata as JSON text. A tuple of strings and ints is one that
 Python's garbage collector stops tracking, so 100k cached facts do not add 200k objects (a StoredFact and its
 metadata dict each) to every full collection, which stops the event loop for as long as it traverses them."""
+_FACT_ID, _TEXT, _METADATA_JSON, _VERSION, _CREATED_AT_US, _CONTENT_HASH = (
+    FACT_ROW_COLUMNS.index(name) for name in ("fact_id", "text", "metadata_json", "version", "created_at_us",
+                                              "content_hash"))
 
 
 def stored_fact(row: FactRow) -> StoredFact:
@@ -43,11 +46,12 @@ class UserFacts:
 
     @property
     def nbytes(self) -> int:
-        return self.vectors.nbytes + sum(len(row[2]) + len(row[5]) + 256 for row in self.rows)
+        return self.vectors.nbytes + sum(len(row[_TEXT]) + len(row[_METADATA_JSON]) + 256 for row in self.rows)
 
     def versions(self, fact_ids: set[str]) -> dict[str, tuple[str, int, int]]:
         """fact_id -> (content_hash, version, created_at_us) for those of `fact_ids` the user has."""
-        return {row[1]: (row[9], row[6], row[7]) for row in self.rows if row[1] in fact_ids}
+        return {row[_FACT_ID]: (row[_CONTENT_HASH], row[_VERSION], row[_CREATED_AT_US])
+                for row in self.rows if row[_FACT_ID] in fact_ids}
 
     def top_k(self, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k, best first (ties by fact_id, as LanceDB's exact search would return either)."""
@@ -55,7 +59,7 @@ class UserFacts:
             return []
         scores = self.vectors @ query_vector.astype(np.float32)
         chosen = np.arange(len(scores)) if top_k >= len(scores) else np.argpartition(-scores, top_k - 1)[:top_k]
-        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.rows[i][1]))
+        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.rows[i][_FACT_ID]))
         return [ScoredFact(fact=stored_fact(self.rows[i]), score=float(scores[i])) for i in ranked]
 
 
@@ -108,11 +112,11 @@ class UserFactsCache:
         self.invalidate(user_id)
         if entry is None:
             return
-        position = {row[1]: index for index, row in enumerate(entry.rows)}
+        position = {row[_FACT_ID]: index for index, row in enumerate(entry.rows)}
         merged_rows, merged_vectors = list(entry.rows), entry.vectors.copy()
         appended: list[int] = []
         for index, row in enumerate(rows):
-            at = position.get(row[1])
+            at = position.get(row[_FACT_ID])
             if at is None:
                 appended.append(index)
                 merged_rows.append(row)
