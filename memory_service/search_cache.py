@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import zlib
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +30,11 @@ metadata dict each) to every full collection, which stops the event loop for as 
 _FACT_ID, _TEXT, _METADATA_JSON, _VERSION, _CREATED_AT_US, _CONTENT_HASH = (
     FACT_ROW_COLUMNS.index(name) for name in ("fact_id", "text", "metadata_json", "version", "created_at_us",
                                               "content_hash"))
+
+
+def fact_row(record: Mapping[str, Any]) -> FactRow:
+    """The FactRow of a record holding (at least) the FACT_ROW_COLUMNS, such as a LanceDB row."""
+    return tuple(record[column] for column in FACT_ROW_COLUMNS)  # type: ignore[return-value]
 
 
 def stored_fact(row: FactRow) -> StoredFact:

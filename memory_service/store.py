@@ -33,7 +33,7 @@ from memory_service.models import (
     StoredFact,
     StoredTurn,
 )
-from memory_service.search_cache import FACT_ROW_COLUMNS, UserFacts, UserFactsCache
+from memory_service.search_cache import FACT_ROW_COLUMNS, UserFacts, UserFactsCache, fact_row, stored_fact
 
 log = structlog.get_logger(__name__)
 
@@ -92,21 +92,9 @@ TURNS_SCHEMA = pa.schema(
     ]
 )
 
-_FACT_COLUMNS = [name for name in facts_schema(1).names if name not in ("key", "vector")]
-
-
 def _stored_fact(row: dict) -> StoredFact:
-    return StoredFact(
-        user_id=row["user_id"],
-        fact_id=row["fact_id"],
-        text=row["text"],
-        source_turn_id=row["source_turn_id"],
-        timestamp_us=row["timestamp_us"],
-        metadata=json.loads(row["metadata_json"]),
-        version=row["version"],
-        created_at_us=row["created_at_us"],
-        updated_at_us=row["updated_at_us"],
-    )
+    """The StoredFact of a LanceDB row selected with FACT_ROW_COLUMNS."""
+    return stored_fact(fact_row(row))
 
 
 class FactStore:
@@ -294,7 +282,7 @@ class FactStore:
                 await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)),
                                    all_new=len(to_write) == created)
                 self._search_cache.upsert(
-                    user_id, [tuple(record[column] for column in FACT_ROW_COLUMNS) for record in records], vectors)
+                    user_id, [fact_row(record) for record in records], vectors)
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -315,7 +303,7 @@ class FactStore:
             self._facts_table.vector_search(query_vector.astype(np.float32))
             .distance_type("cosine")
             .where(f"user_id = '{user_id}'")
-            .select([*_FACT_COLUMNS, "_distance"])
+            .select([*FACT_ROW_COLUMNS, "_distance"])
             .limit(top_k)
             .to_list()
         )
@@ -364,7 +352,7 @@ class FactStore:
         rows = await (
             self._facts_table.query()
             .where(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(page_ids)})")
-            .select(_FACT_COLUMNS)
+            .select(list(FACT_ROW_COLUMNS))
             .to_list()
         )
         facts = sorted((_stored_fact(row) for row in rows), key=lambda fact: fact.fact_id)
@@ -407,7 +395,7 @@ class FactStore:
         rows = await (
             self._facts_table.query()
             .where(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(fact_ids)})")
-            .select(_FACT_COLUMNS)
+            .select(list(FACT_ROW_COLUMNS))
             .to_list()
         )
         return {row["fact_id"]: _stored_fact(row) for row in rows}

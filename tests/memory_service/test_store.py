@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from memory_service.models import IngestOutcome, NewFact
-from memory_service.store import FactStore
+from memory_service.search_cache import FACT_ROW_COLUMNS
+from memory_service.store import FactStore, facts_schema
 
 DIM = 4
 
@@ -72,6 +73,10 @@ async def test_a_cancelled_search_leaves_the_shared_read_to_the_others(tmp_path)
     first.cancel()
     assert (await second)[0].fact.fact_id == "f2"
     assert len(reads) == 1
+
+
+def test_a_cached_row_holds_every_stored_column_but_the_key_and_the_vector() -> None:
+    assert sorted(FACT_ROW_COLUMNS) == sorted(set(facts_schema(1).names) - {"key", "vector"})
 
 
 async def _cached_store(tmp_path) -> FactStore:
