@@ -1,4 +1,4 @@
-"""The fact KV blob: one self-describing, checksummed byte string per (profile, user, fact, version).
+"""The fact KV blob: one self-describing, checksummed byte string per KV key (inferscale_kv.kv_key).
 
 Layout: b"ISKV" | u32 header length | u32 CRC-32 of everything after this field | header (JSON) | payload.
 Payload: pre-RoPE keys then values, each [layers, tokens, kv_heads, head_dim] in the storage dtype; for
@@ -14,6 +14,8 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+
+from inferscale_kv.kv_key import KvKey
 
 MAGIC = b"ISKV"
 _PREFIX = struct.Struct("<4sII")
@@ -37,6 +39,11 @@ class KvBlobHeader:
     num_kv_heads: int
     head_dim: int
     token_ids: tuple[int, ...]
+    content_id: str  # kv_key.content_id of the context the chunk attended to and of token_ids
+
+    @property
+    def key(self) -> KvKey:
+        return KvKey(self.profile_id, self.user_id, self.fact_id, self.version, self.content_id)
 
     @property
     def elements_per_tensor(self) -> int:

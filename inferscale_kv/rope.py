@@ -9,6 +9,27 @@ from __future__ import annotations
 
 import torch
 
+# Model types whose attention applies full-width rotate-half (NeoX) RoPE to every key, as composed here.
+NEOX_LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class UnsupportedRotary(ValueError):
+    """The model's rotary embedding is not the full-width NeoX form that Chunked RoPE composes."""
+
+
+def check_rotary_supported(config) -> None:
+    """Raises UnsupportedRotary unless injected keys would be rotated exactly as the model rotates its own."""
+    model_type = getattr(config, "model_type", "")
+    if model_type not in NEOX_LLAMA_FAMILY:
+        raise UnsupportedRotary(f"model type {model_type!r}: InferScale composes the full rotate-half RoPE of "
+                                f"{', '.join(sorted(NEOX_LLAMA_FAMILY))} models only")
+    partial = getattr(config, "partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedRotary(f"partial_rotary_factor={partial}: only full-width rotary embeddings are supported")
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if "mrope_section" in scaling or scaling.get("rope_type", scaling.get("type")) in ("mrope", "default_mrope"):
+        raise UnsupportedRotary("multimodal rotary embeddings (mrope) are not supported")
+
 
 class RotaryTables:
     """cos/sin of a model's rotary embedding for positions [0, max_positions)."""

@@ -1,14 +1,23 @@
-"""structlog configured for one JSON object per line on stderr, with per-call context bound via contextvars."""
+"""Process plumbing the three processes share: structured JSON logs and a free loopback port."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 import structlog
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for child processes started by tools and tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def configure_logging(level: str) -> None:
+    """structlog: one JSON object per line on stderr, with per-call context bound via contextvars."""
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
     structlog.configure(
         processors=[
