@@ -8,7 +8,7 @@ import sys
 import structlog
 
 from memory_service.config import ConfigError, load_config
-from memory_service.logs import configure_logging
+from inferscale_kv.runtime import configure_logging
 from memory_service.server import serve
 
 

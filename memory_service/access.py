@@ -9,7 +9,7 @@ Credentials file (JSON, `--auth-file`), tokens stored only as SHA-256 hex digest
       {"name": "workers", "role": "worker", "token_sha256": "..."}]}
 
 Roles name the RPCs a credential may call; `user_prefix` is its tenant's user namespace: every user_id it names must
-start with it ("" = every user). Workers and admins see every user's facts by nature, so they take no prefix.
+start with it ("" = every user); it ends with a separator (`acme/`, not `acme`, which would also admit `acme2/...`). Workers and admins see every user's facts by nature, so they take no prefix.
 `max_facts` and `max_kv_bytes` (optional, prefixed credentials only) are the tenant's quotas: an IngestFacts that
 would create facts past `max_facts`, or that comes while the tenant's stored KV is at `max_kv_bytes`, is
 RESOURCE_EXHAUSTED.
@@ -138,6 +138,10 @@ def _principal(entry: object, index: int, path: Path) -> Principal:
         raise ConfigError(f"{where}.user_prefix: a string, and empty for role {role} (it sees every user)")
     if prefix and not _PREFIX_PATTERN.fullmatch(prefix):
         raise ConfigError(f"{where}.user_prefix: letters, digits and ._:@+/=- only")
+    if prefix and prefix[-1].isalnum():
+        # "acme" would also admit "acme2/...": a namespace ends with a separator ("acme/").
+        raise ConfigError(f"{where}.user_prefix: must end with one of ._:@+/=- (e.g. {prefix + '/'!r}), so that it "
+                          "cannot also match other tenants' ids")
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise ConfigError(f"{where}.token_sha256: the token's SHA-256 as 64 hex digits")
     quotas = {quota: entry.get(quota) for quota in ("max_facts", "max_kv_bytes")}

@@ -4,27 +4,32 @@ accepting their uploads, and serving stored KV. Wire-format free: the servicer t
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from inferscale_kv.blob import CorruptKvBlob, read_kv_header
+from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
+from inferscale_kv.kv_key import KvKey, header_key
 from memory_service.errors import InvalidArgument, NotFound
-from memory_service.kv_index import KvEntry, QueueCounts
+from memory_service.kv_index import Job, KvEntry, QueueCounts
 from memory_service.kv_store import TieredKvStore
-from memory_service.kv_tiers import KvKey
 from memory_service.models import StoredFact, StoredTurn
 from memory_service.store import FactStore
 
 log = structlog.get_logger(__name__)
-
-# The profile's memory header KV is stored like a fact of this reserved user (outside the id alphabet).
-HEADER_USER, HEADER_FACT, HEADER_VERSION = "_profile", "header", 1
+_CONTENT_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def header_key(profile_id: str) -> KvKey:
-    return KvKey(profile_id, HEADER_USER, HEADER_FACT, HEADER_VERSION)
+def _blob_header(blob: bytes, field: str) -> KvBlobHeader:
+    try:
+        header = read_kv_header(blob)
+    except CorruptKvBlob as exc:
+        raise InvalidArgument(field, str(exc)) from None
+    if not _CONTENT_ID.fullmatch(header.content_id):
+        raise InvalidArgument(field, "content_id must be 32 lowercase hex digits (inferscale_kv.kv_key.content_id)")
+    return header
 
 
 @dataclass(frozen=True)
@@ -78,29 +83,25 @@ class KvPipeline:
         return queued
 
     async def _store_header(self, profile_id: str, blob: bytes) -> None:
-        key = header_key(profile_id)
-        try:
-            header = read_kv_header(blob)
-        except CorruptKvBlob as exc:
-            raise InvalidArgument("header_kv", str(exc)) from None
-        if (header.profile_id, header.user_id, header.fact_id, header.version) != (
-                profile_id, key.user_id, key.fact_id, key.version):
-            raise InvalidArgument("header_kv", f"must name profile {profile_id}, user {HEADER_USER!r}, "
-                                               f"fact {HEADER_FACT!r}, version {HEADER_VERSION}")
-        if self.index.stored_version(profile_id, key.user_id, key.fact_id) is None:
-            await asyncio.to_thread(self.kv.put, key, blob, header.token_ids)
+        header = _blob_header(blob, "header_kv")
+        expected = header_key(profile_id, header.token_ids)
+        if header.key != expected:
+            raise InvalidArgument("header_kv", f"must name {expected} (the profile's header, encoded behind nothing)")
+        if self.index.header_entry(profile_id) is None:
+            await asyncio.to_thread(self.kv.put, expected, blob, header.token_ids, None)
+
+    def header_entry(self, profile_id: str) -> KvEntry | None:
+        return self.index.header_entry(profile_id)
 
     async def reconcile(self) -> int:
         """After a restart: disk and index agree, and every fact lacking KV for a profile is queued."""
         await asyncio.to_thread(self.kv.reconcile)
         current = {(user, fact): version for user, fact, version in await self.facts.fact_versions()}
         covered = {(k.profile_id, k.user_id, k.fact_id, k.version)
-                   for k in [*self.index.all_entry_keys(), *self.index.all_job_keys()]}
+                   for k in [*self.index.all_entry_keys(), *self.index.all_jobs()]}
         stale = [k for k in self.index.all_entry_keys()
-                 if k.user_id != HEADER_USER and current.get((k.user_id, k.fact_id)) != k.version]
-        for key in stale:
-            self.index.forget_entry(key)
-        self.kv.remove(stale)
+                 if not k.is_header and current.get((k.user_id, k.fact_id)) != k.version]
+        await asyncio.to_thread(self.kv.forget_entries, stale)
         queued = 0
         for profile_id in self.index.profiles():
             missing = [(u, f, v) for (u, f), v in current.items() if (profile_id, u, f, v) not in covered]
@@ -113,16 +114,13 @@ class KvPipeline:
         """Created or updated facts: drop KV of older versions, queue the new version for every profile."""
         if not changed:
             return
-        fact_ids = [fact_id for fact_id, _ in changed]
-        dropped = await asyncio.to_thread(self.index.forget_facts, user_id, fact_ids)
-        await asyncio.to_thread(self.kv.remove, dropped)
+        await asyncio.to_thread(self.kv.forget, user_id, [fact_id for fact_id, _ in changed])
         profiles = list(self.index.profiles())
         await asyncio.to_thread(self.index.enqueue, profiles, [(user_id, f, v) for f, v in changed])
 
     async def facts_deleted(self, user_id: str, fact_ids: Sequence[str] | None) -> None:
         """Deletes every KV blob and queued job of the facts (all of the user's when None)."""
-        dropped = await asyncio.to_thread(self.index.forget_facts, user_id, fact_ids)
-        await asyncio.to_thread(self.kv.remove, dropped)
+        await asyncio.to_thread(self.kv.forget, user_id, fact_ids)
 
     def _require_profile(self, profile_id: str) -> None:
         if profile_id not in self.index.profiles():
@@ -131,7 +129,7 @@ class KvPipeline:
     async def lease(self, profile_id: str, max_facts: int, lease_seconds: float) -> Lease:
         self._require_profile(profile_id)
         lease_id, expires, keys = await asyncio.to_thread(self.index.lease, profile_id, max_facts, lease_seconds)
-        by_user: dict[str, list[KvKey]] = {}
+        by_user: dict[str, list[Job]] = {}
         for key in keys:
             by_user.setdefault(key.user_id, []).append(key)
         facts: list[StoredFact] = []
@@ -148,28 +146,25 @@ class KvPipeline:
                 turns_by_user[user_id] = turns[: last + 1]
         return Lease(lease_id if facts else "", expires, facts, turns_by_user)
 
-    async def complete(self, profile_id: str, uploads: Sequence[Upload],
-                       failures: Sequence[tuple[KvKey, str]]) -> CompletionCounts:
+    async def complete(self, profile_id: str, lease_id: str, uploads: Sequence[Upload],
+                       failures: Sequence[tuple[Job, str]]) -> CompletionCounts:
+        """Stores uploads that their lease still covers (same version, same lease, in the transaction that records
+        them); a fact deleted, changed or re-leased since counts as stale and nothing of it is stored."""
         self._require_profile(profile_id)
         accepted = duplicates = stale = 0
         for index, upload in enumerate(uploads):
-            key = KvKey(profile_id, upload.user_id, upload.fact_id, upload.version)
-            try:
-                header = read_kv_header(upload.blob)
-            except CorruptKvBlob as exc:
-                raise InvalidArgument(f"results[{index}].blob", str(exc)) from None
+            header = _blob_header(upload.blob, f"results[{index}].blob")
             if (header.profile_id, header.user_id, header.fact_id, header.version) != (
-                    profile_id, upload.user_id, upload.fact_id, upload.version):
+                    profile_id, upload.user_id, upload.fact_id, upload.version) or header.key.is_header:
                 raise InvalidArgument(f"results[{index}].blob", "header names another profile, fact or version")
-            if self.index.job_version(profile_id, upload.user_id, upload.fact_id) == upload.version:
-                await asyncio.to_thread(self.kv.put, key, upload.blob, header.token_ids)
+            if await asyncio.to_thread(self.kv.put, header.key, upload.blob, header.token_ids, lease_id):
                 accepted += 1
-            elif self.index.stored_version(profile_id, upload.user_id, upload.fact_id) == upload.version:
+            elif (entry := self.index.entry(profile_id, upload.user_id, upload.fact_id)) and entry.key == header.key:
                 duplicates += 1
             else:
                 stale += 1
-        for key, error in failures:
-            await asyncio.to_thread(self.index.fail, key, error)
+        for job, error in failures:
+            await asyncio.to_thread(self.index.fail, job, lease_id, error)
         return CompletionCounts(accepted, duplicates, stale)
 
     async def kv_bytes_with_user_prefix(self, prefix: str) -> int:

@@ -10,8 +10,10 @@ from pathlib import Path
 import structlog
 import torch
 
+from inferscale_kv.eviction import LruEviction
+from inferscale_kv.kv_key import KvKey
 from memory_service.kv_index import KvIndex
-from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, KvKey, KvTier, LruEviction, MemoryTier
+from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, KvTier, MemoryTier
 
 log = structlog.get_logger(__name__)
 
@@ -25,7 +27,12 @@ class KvStoreBudgets:
 
 class TieredKvStore:
     """Looks blobs up from the fastest tier down, promotes hits into the faster tiers, writes through to disk
-    (the durable tier) first. A blob that fails its checksum on disk is dropped and its fact re-queued."""
+    (the durable tier) first. A blob that fails its checksum on disk is dropped and its fact re-queued.
+
+    The index and the tiers change together under one lock: what the index lists is what the tiers may serve
+    (`get` serves nothing else), a completion cannot land after the delete of its fact (no orphan blobs), and the
+    profiles' memory header KV is pinned in every tier it enters (every node needs it; it is never evicted).
+    """
 
     def __init__(self, root: Path, budgets: KvStoreBudgets, max_attempts: int = 3) -> None:
         self.index = KvIndex(root / "index.sqlite", max_attempts=max_attempts)
@@ -40,6 +47,9 @@ class TieredKvStore:
             memory_tiers.append(MemoryTier("host", budgets.host_bytes, LruEviction(), AdmitBelowFraction(0.1), "cpu",
                                            pinned=cuda))
         self.tiers: list[KvTier] = [*memory_tiers, self.disk]
+        for key in self.disk.keys():
+            if key.is_header:
+                self.disk.pin(key)
         self.corrupt_blobs = 0
         self._lock = threading.RLock()
 
@@ -48,24 +58,36 @@ class TieredKvStore:
         log.warning("kv_blob_corrupt", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
                     version=key.version)
         self.index.forget_entry(key)
-        self.index.enqueue([key.profile_id], [(key.user_id, key.fact_id, key.version)])
+        if not key.is_header:  # a lost header is asked of the next worker that leases (header_kv_wanted)
+            self.index.enqueue([key.profile_id], [(key.user_id, key.fact_id, key.version)])
 
-    def put(self, key: KvKey, blob: bytes, token_ids: Sequence[int]) -> None:
-        """Stores durably, then in the memory tiers that admit it, then marks it stored in the index."""
+    def _put_in(self, tier: KvTier, key: KvKey, blob: bytes) -> bool:
+        return tier.put(key, blob, pinned=key.is_header)
+
+    def put(self, key: KvKey, blob: bytes, token_ids: Sequence[int], lease_id: str | None) -> bool:
+        """Stores durably and records it in the index, then fills the memory tiers that admit it. With a
+        `lease_id` only while that lease still holds the job for key's version; False (nothing stored) if not."""
         with self._lock:
-            if not self.disk.put(key, blob):
+            if not self._put_in(self.disk, key, blob):
                 raise OSError(f"disk tier refused {len(blob)} bytes (budget {self.disk.budget_bytes})")
+            if not self.index.record_stored(key, token_ids, len(blob), lease_id):
+                self.disk.remove(key)
+                return False
             for tier in self.tiers[:-1]:
-                tier.put(key, blob)
-        self.index.record_stored(key, token_ids, len(blob))
+                self._put_in(tier, key, blob)
+        return True
 
     def get(self, key: KvKey) -> bytes | None:
+        """The blob stored under exactly `key`, if the index lists it."""
         with self._lock:
+            entry = self.index.entry(key.profile_id, key.user_id, key.fact_id)
+            if entry is None or entry.key != key:
+                return None
             for depth, tier in enumerate(self.tiers):
                 blob = tier.get(key)
                 if blob is not None:
                     for faster in self.tiers[:depth]:
-                        faster.put(key, blob)
+                        self._put_in(faster, key, blob)
                     return blob
         return None
 
@@ -74,11 +96,23 @@ class TieredKvStore:
         if not any(tier.contains(key) for tier in self.tiers[:-1]):
             self.get(key)
 
-    def remove(self, keys: Iterable[KvKey]) -> None:
+    def forget(self, user_id: str, fact_ids: Sequence[str] | None) -> list[KvKey]:
+        """Drops the facts' KV (all of the user's when None) from the index and every tier, and their jobs."""
+        with self._lock:
+            dropped = self.index.forget_facts(user_id, fact_ids)
+            self._remove(dropped)
+        return dropped
+
+    def forget_entries(self, keys: Iterable[KvKey]) -> None:
         with self._lock:
             for key in keys:
-                for tier in self.tiers:
-                    tier.remove(key)
+                self.index.forget_entry(key)
+            self._remove(keys)
+
+    def _remove(self, keys: Iterable[KvKey]) -> None:
+        for key in keys:
+            for tier in self.tiers:
+                tier.remove(key)
 
     def reconcile(self) -> None:
         """Makes index and disk agree after a crash: files without an entry go, entries without a file go."""

@@ -8,10 +8,10 @@ TieredKvStore serializes access.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +19,8 @@ from pathlib import Path
 import torch
 
 from inferscale_kv.blob import CorruptKvBlob, read_kv_header
-
-
-@dataclass(frozen=True, order=True)
-class KvKey:
-    profile_id: str
-    user_id: str
-    fact_id: str
-    version: int
+from inferscale_kv.eviction import EvictionPolicy, LruEviction
+from inferscale_kv.kv_key import KvKey
 
 
 @dataclass
@@ -36,52 +30,6 @@ class TierStats:
     hits: int = 0
     lookups: int = 0
     evictions: int = 0
-
-
-class EvictionPolicy(ABC):
-    """Chooses which entries leave a tier when it runs over its byte budget."""
-
-    @abstractmethod
-    def record_insert(self, key: KvKey, size: int) -> None: ...
-
-    @abstractmethod
-    def record_access(self, key: KvKey) -> None: ...
-
-    @abstractmethod
-    def record_remove(self, key: KvKey) -> None: ...
-
-    @abstractmethod
-    def victims(self, bytes_to_free: int, pinned: set[KvKey]) -> list[KvKey]:
-        """Unpinned entries whose removal frees at least `bytes_to_free` (fewer if impossible)."""
-
-
-class LruEviction(EvictionPolicy):
-    """Least recently used first."""
-
-    def __init__(self) -> None:
-        self._sizes: OrderedDict[KvKey, int] = OrderedDict()
-
-    def record_insert(self, key: KvKey, size: int) -> None:
-        self._sizes[key] = size
-        self._sizes.move_to_end(key)
-
-    def record_access(self, key: KvKey) -> None:
-        if key in self._sizes:
-            self._sizes.move_to_end(key)
-
-    def record_remove(self, key: KvKey) -> None:
-        self._sizes.pop(key, None)
-
-    def victims(self, bytes_to_free: int, pinned: set[KvKey]) -> list[KvKey]:
-        chosen: list[KvKey] = []
-        freed = 0
-        for key, size in self._sizes.items():
-            if freed >= bytes_to_free:
-                break
-            if key not in pinned:
-                chosen.append(key)
-                freed += size
-        return chosen
 
 
 class AdmissionPolicy(ABC):
@@ -143,8 +91,10 @@ class KvTier(ABC):
             self.eviction.record_access(key)
         return blob
 
-    def put(self, key: KvKey, blob: bytes) -> bool:
-        if not self.admission.admit(key, len(blob), self.budget_bytes):
+    def put(self, key: KvKey, blob: bytes, *, pinned: bool = False) -> bool:
+        """Stores the blob (evicting unpinned entries as needed); `pinned`: it is pinned at once and bypasses the
+        admission policy (it must still fit the budget)."""
+        if len(blob) > self.budget_bytes or not (pinned or self.admission.admit(key, len(blob), self.budget_bytes)):
             return False
         self.remove(key)
         overflow = self.stats.bytes + len(blob) - self.budget_bytes
@@ -160,6 +110,8 @@ class KvTier(ABC):
         self.eviction.record_insert(key, len(blob))
         self.stats.entries += 1
         self.stats.bytes += len(blob)
+        if pinned:
+            self._pinned.add(key)
         return True
 
     def remove(self, key: KvKey) -> bool:
@@ -222,6 +174,9 @@ class MemoryTier(KvTier):
         return iter(list(self._tensors))
 
 
+_CONTENT_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def _component(value: str) -> str:
     return urllib.parse.quote(value, safe="")
 
@@ -243,16 +198,25 @@ class DiskTier(KvTier):
 
     def path(self, key: KvKey) -> Path:
         return (self.root / _component(key.profile_id) / _component(key.user_id)
-                / f"{_component(key.fact_id)}.v{key.version}{self.SUFFIX}")
+                / f"{_component(key.fact_id)}.v{key.version}.{key.content_id}{self.SUFFIX}")
+
+    @staticmethod
+    def _key_of(path: Path) -> KvKey | None:
+        """The key a blob file is named by; None for names of another layout (older releases)."""
+        rest, _, content = path.name[: -len(DiskTier.SUFFIX)].rpartition(".")
+        stem, _, version = rest.rpartition(".v")
+        if not (version.isdigit() and _CONTENT_ID.fullmatch(content)):
+            return None
+        return KvKey(urllib.parse.unquote(path.parent.parent.name), urllib.parse.unquote(path.parent.name),
+                     urllib.parse.unquote(stem), int(version), content)
 
     def _restore(self) -> None:
         found: list[tuple[float, KvKey, int]] = []
         for path in self.root.glob(f"*/*/*{self.SUFFIX}"):
-            stem, _, version = path.name[: -len(self.SUFFIX)].rpartition(".v")
-            if not version.isdigit():
+            key = self._key_of(path)
+            if key is None:
+                path.unlink(missing_ok=True)
                 continue
-            key = KvKey(urllib.parse.unquote(path.parent.parent.name), urllib.parse.unquote(path.parent.name),
-                        urllib.parse.unquote(stem), int(version))
             stat = path.stat()
             found.append((stat.st_mtime, key, stat.st_size))
         for _, key, size in sorted(found):
@@ -271,7 +235,8 @@ class DiskTier(KvTier):
             return None
         try:
             blob = self.path(key).read_bytes()
-            read_kv_header(blob)
+            if read_kv_header(blob).key != key:
+                raise CorruptKvBlob("the blob names another key than its file")
         except (OSError, CorruptKvBlob):
             self.remove(key)
             self.on_corrupt(key)

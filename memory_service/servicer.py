@@ -28,9 +28,10 @@ from memory_service.errors import (
     status_code_for,
 )
 from memory_service.metrics import ServiceMetrics
-from memory_service.kv_pipeline import HEADER_FACT, HEADER_VERSION, KvPipeline, Upload, header_key
+from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
+from memory_service.kv_index import Job
+from memory_service.kv_pipeline import KvPipeline, Upload
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
-from memory_service.kv_tiers import KvKey
 from memory_service.models import IngestOutcome, StoredFact
 from inferscale_kv.profile import profile_fields
 from memory_service.profiles import validate_profile
@@ -267,26 +268,29 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         await self._kv.announce(profile_id, profile_fields(request.profile))
         results = await self._search(user_id, query, top_k)
         entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
+        header = self._kv.header_entry(profile_id)
         facts = []
         for rank, r in enumerate(results, start=1):
             entry = entries.get(r.fact.fact_id)
             facts.append(pb.RetrievedFact(
                 fact_id=r.fact.fact_id, version=r.fact.version, text=r.fact.text, score=r.score, rank=rank,
                 token_ids=entry.token_ids if entry else [], kv_ready=entry is not None,
-                kv_bytes=entry.nbytes if entry else 0,
+                kv_bytes=entry.nbytes if entry else 0, content_id=entry.key.content_id if entry else "",
             ))
         self.metrics.kv_lookups.inc(len(results))
         self.metrics.kv_ready.inc(len(entries))
-        ready = [f for f in facts if f.kv_ready]
+        ready = [entries[f.fact_id] for f in facts if f.kv_ready]
+        header_content_id = header.key.content_id if header else ""
         if not ready:
-            return pb.RetrieveAndStageResponse(facts=facts)
-        self._kv.stage([header_key(profile_id)] + [KvKey(profile_id, user_id, f.fact_id, f.version) for f in ready])
-        covered = "|".join(f"{f.fact_id}@{f.version}" for f in ready)
+            return pb.RetrieveAndStageResponse(facts=facts, header_content_id=header_content_id)
+        self._kv.stage(([header.key] if header else []) + [entry.key for entry in ready])
+        covered = "|".join(f"{e.key.fact_id}@{e.key.version}.{e.key.content_id}" for e in ready)
         digest = hashlib.sha256(f"{profile_id}|{user_id}|{request.node_id}|{covered}".encode()).hexdigest()
         staging = pb.StagingHandle(
-            handle_id=f"stg-{digest[:24]}", fact_ids=[f.fact_id for f in ready], total_bytes=sum(f.kv_bytes for f in ready),
+            handle_id=f"stg-{digest[:24]}", fact_ids=[e.key.fact_id for e in ready],
+            total_bytes=sum(e.nbytes for e in ready),
             expires_at=_timestamp(int((time.time() + STAGING_TTL_S) * 1_000_000)))
-        return pb.RetrieveAndStageResponse(facts=facts, staging=staging)
+        return pb.RetrieveAndStageResponse(facts=facts, staging=staging, header_content_id=header_content_id)
 
     @rpc
     async def ListFacts(self, request: pb.ListFactsRequest, context) -> pb.ListFactsResponse:
@@ -337,7 +341,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
                 kv_dtype=spec["kv_dtype"], queued=queue.queued, leased=queue.leased, done=queue.done,
                 failed=queue.failed, lag_seconds=queue.lag_seconds, kv_bytes=queue.kv_bytes,
             ))
-        tiers = [
+        # Tier figures are service-wide: a credential confined to a tenant's users does not see them.
+        tiers = [] if CALLER.get().user_prefix else [
             pb.KvTierStats(name=tier.name, entries=tier.stats.entries, bytes=tier.stats.bytes,
                            budget_bytes=tier.budget_bytes, hits=tier.stats.hits, lookups=tier.stats.lookups,
                            evictions=tier.stats.evictions)
@@ -368,7 +373,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             raise InvalidArgument("max_facts" if request.max_facts < 0 else "lease_seconds", "must not be negative")
         max_facts = min(request.max_facts or self.config.kv_lease_max_facts, self.config.kv_lease_max_facts)
         lease = await self._kv.lease(profile_id, max_facts, request.lease_seconds or self.config.kv_lease_seconds)
-        response = pb.LeaseKvWorkResponse(lease_id=lease.lease_id)
+        response = pb.LeaseKvWorkResponse(lease_id=lease.lease_id,
+                                           header_kv_wanted=self._kv.header_entry(profile_id) is None)
         if not lease.facts:
             return response
         response.expires_at.FromMicroseconds(int(lease.expires_at * 1_000_000))
@@ -391,8 +397,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         validate_id(request.worker_id, "worker_id")
         profile_id = validate_id(request.profile_id, "profile_id")
         uploads = [Upload(r.user_id, r.fact_id, r.version, r.blob) for r in request.results]
-        failures = [(KvKey(profile_id, f.user_id, f.fact_id, f.version), f.error) for f in request.failures]
-        counts = await self._kv.complete(profile_id, uploads, failures)
+        failures = [(Job(profile_id, f.user_id, f.fact_id, f.version), f.error) for f in request.failures]
+        counts = await self._kv.complete(profile_id, request.lease_id, uploads, failures)
         self.metrics.kv_uploads.labels(outcome="accepted").inc(counts.accepted)
         self.metrics.kv_uploads.labels(outcome="duplicate").inc(counts.duplicates)
         self.metrics.kv_uploads.labels(outcome="stale").inc(counts.stale)
@@ -406,8 +412,11 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         for index, ref in enumerate(request.facts):
             validate_id(ref.fact_id, f"facts[{index}].fact_id")
         if request.include_header:
-            blob = await self._kv.fetch(header_key(profile_id))
-            await context.write(pb.FetchKvResponse(fact_id=HEADER_FACT, version=HEADER_VERSION, blob=blob or b""))
+            key = KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, request.header_content_id)
+            blob = await self._kv.fetch(key)
+            await context.write(pb.FetchKvResponse(fact_id=HEADER_FACT_ID, version=HEADER_VERSION, blob=blob or b"",
+                                                   content_id=key.content_id))
         for ref in request.facts:
-            blob = await self._kv.fetch(KvKey(profile_id, user_id, ref.fact_id, ref.version))
-            await context.write(pb.FetchKvResponse(fact_id=ref.fact_id, version=ref.version, blob=blob or b""))
+            blob = await self._kv.fetch(KvKey(profile_id, user_id, ref.fact_id, ref.version, ref.content_id))
+            await context.write(pb.FetchKvResponse(fact_id=ref.fact_id, version=ref.version, blob=blob or b"",
+                                                   content_id=ref.content_id))

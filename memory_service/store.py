@@ -7,6 +7,7 @@ is what makes the SQL filters below safe to build by formatting.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import zlib
@@ -39,6 +40,7 @@ log = structlog.get_logger(__name__)
 
 FACTS_TABLE = "facts"
 TURNS_TABLE = "turns"
+VERSION_FLOORS_TABLE = "version_floors"
 _STORE_META_FILE = "store.json"
 _USER_LOCK_STRIPES = 64
 
@@ -79,6 +81,16 @@ def facts_schema(dim: int) -> pa.Schema:
     )
 
 
+# The highest fact version a user ever had deleted, so that a version number is never handed out twice (a fact
+# re-created under a deleted id continues above it). Keyed by a digest of the user id: a deleted user's id is gone.
+VERSION_FLOORS_SCHEMA = pa.schema([pa.field("key", pa.string(), nullable=False),
+                                   pa.field("floor", pa.int64(), nullable=False)])
+
+
+def _user_digest(user_id: str) -> str:
+    return hashlib.sha256(user_id.encode()).hexdigest()
+
+
 TURNS_SCHEMA = pa.schema(
     [
         pa.field("key", pa.string(), nullable=False),
@@ -111,6 +123,8 @@ class FactStore:
         self._dim = embedding_dim
         self._facts: lancedb.table.AsyncTable | None = None
         self._turns: lancedb.table.AsyncTable | None = None
+        self._floors: lancedb.table.AsyncTable | None = None
+        self._version_floors: dict[str, int] = {}
         self._user_locks = [asyncio.Lock() for _ in range(_USER_LOCK_STRIPES)]
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
@@ -127,6 +141,9 @@ class FactStore:
         existing = set((await db.list_tables()).tables)
         self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
+        self._floors = await self._open_or_create(db, VERSION_FLOORS_TABLE, VERSION_FLOORS_SCHEMA, existing)
+        rows = (await self._floors.query().to_arrow()).to_pylist()
+        self._version_floors = {row["key"]: row["floor"] for row in rows}
         for table in (self._facts, self._turns):
             await self._ensure_user_index(table)
 
@@ -242,11 +259,12 @@ class FactStore:
             results: list[IngestResult] = []
             to_write: list[tuple[NewFact, int, int]] = []
             now = _now_us()
+            first_version = self._version_floors.get(_user_digest(user_id), 0) + 1
             for fact in facts:
                 previous = existing.get(fact.fact_id)
                 if previous is None:
-                    results.append(IngestResult(fact.fact_id, 1, IngestOutcome.CREATED))
-                    to_write.append((fact, 1, now))
+                    results.append(IngestResult(fact.fact_id, first_version, IngestOutcome.CREATED))
+                    to_write.append((fact, first_version, now))
                 elif previous[0] == fact.content_hash:
                     results.append(IngestResult(fact.fact_id, previous[1], IngestOutcome.UNCHANGED))
                 else:
@@ -361,8 +379,10 @@ class FactStore:
     async def delete_facts(self, user_id: str, fact_ids: Sequence[str]) -> list[str]:
         """Deletes the given facts; returns the ids that existed."""
         async with self._user_writes(user_id):
-            found = list(await self._existing_fact_versions(user_id, fact_ids))
+            versions = await self._existing_fact_versions(user_id, fact_ids)
+            found = list(versions)
             if found:
+                await self._raise_version_floor(user_id, max(version for _, version, _ in versions.values()))
                 async with self._commit_lock:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
                     self._writes_since_optimize += 1
@@ -375,6 +395,9 @@ class FactStore:
         async with self._user_writes(user_id):
             facts = await self._facts_table.count_rows(condition)
             turns = await self._turns_table.count_rows(condition)
+            if facts:
+                versions = await self._facts_table.query().where(condition).select(["version"]).to_arrow()
+                await self._raise_version_floor(user_id, pc.max(versions.column("version")).as_py())
             async with self._commit_lock:
                 if facts:
                     await self._facts_table.delete(condition)
@@ -383,6 +406,16 @@ class FactStore:
                 self._writes_since_optimize += 1
             self._search_cache.invalidate(user_id)
             return facts, turns
+
+    async def _raise_version_floor(self, user_id: str, version: int) -> None:
+        """Records, before the facts go, that the user's versions up to `version` are used up."""
+        key = _user_digest(user_id)
+        if version <= self._version_floors.get(key, 0):
+            return
+        rows = pa.Table.from_pylist([{"key": key, "floor": version}], schema=VERSION_FLOORS_SCHEMA)
+        async with self._commit_lock:
+            await self._floors.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
+        self._version_floors[key] = version
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:
         """(user_id, fact_id, version) of every stored fact."""

@@ -102,6 +102,7 @@ def test_a_role_may_call_only_its_own_rpcs(name, method, request_message):
     ([{**CREDENTIALS[4], "max_facts": 10}], "max_facts"),
     ([{**CREDENTIALS[0], "max_kv_bytes": "lots"}], "max_kv_bytes"),
     ([{**CREDENTIALS[0], "user_prefix": "acme'/"}], "user_prefix"),
+    ([{**CREDENTIALS[0], "user_prefix": "acme"}], "must end with one of"),  # would also admit acme2/...
 ])
 def test_a_bad_credentials_file_is_refused_with_the_reason(tmp_path, credentials, problem):
     with pytest.raises(ConfigError, match=problem):
@@ -159,6 +160,13 @@ def test_service_lets_each_app_read_only_its_own_users(guarded_stub):
         guarded_stub.SearchFacts(pb.SearchFactsRequest(user_id="acme/maya", query="pet", top_k=5),
                                  metadata=_metadata("globex-app"))
     assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_service_wide_tier_figures_are_hidden_from_a_tenants_credential(guarded_stub):
+    tenant = guarded_stub.GetStats(pb.GetStatsRequest(user_id="acme/maya"), metadata=_metadata("acme-app"))
+    assert list(tenant.tiers) == []
+    operator = guarded_stub.GetStats(pb.GetStatsRequest(), metadata=_metadata("ops"))
+    assert {tier.name for tier in operator.tiers} >= {"disk"}
 
 
 def test_service_keeps_health_open_to_probes_without_a_token(guarded_service):

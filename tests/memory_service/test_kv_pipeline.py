@@ -12,6 +12,7 @@ import torch
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.kv_key import content_id
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.profile import kv_profile_id
 from memory_service.launcher import MemoryServiceProcess
@@ -37,10 +38,17 @@ def _upload(profile: pb.KvProfile, item: pb.KvWorkItem, fill: float = 1.0) -> pb
     tokens = len(item.text.split())
     header = KvBlobHeader(profile_id=profile.profile_id, user_id=item.user_id, fact_id=item.fact_id,
                           version=item.version, storage_dtype="float32", num_layers=2, num_tokens=tokens,
-                          num_kv_heads=1, head_dim=4, token_ids=tuple(range(tokens)))
+                          num_kv_heads=1, head_dim=4, token_ids=tuple(range(tokens)),
+                          content_id=content_id(profile.profile_id, [], [int(fill * 1000), *range(tokens)]))
     keys = torch.full((2, tokens, 1, 4), fill)
     return pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
                            blob=encode_kv_blob(header, keys, keys))
+
+
+def _content_ids(stub, profile: pb.KvProfile, user_id: str) -> dict[str, str]:
+    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user_id, query="fact", top_k=50,
+                                                                 profile=profile, node_id="n1"))
+    return {f.fact_id: f.content_id for f in retrieved.facts}
 
 
 def _lease(stub, profile, worker="w1", max_facts=100, lease_seconds=60) -> pb.LeaseKvWorkResponse:
@@ -99,9 +107,13 @@ def test_completed_kv_is_ready_with_token_ids_and_fetchable(stub) -> None:
     assert sorted(retrieved.staging.fact_ids) == ["f0", "f1", "f2"]
     assert retrieved.staging.total_bytes == sum(f.kv_bytes for f in retrieved.facts)
     assert retrieved.staging.handle_id.startswith("stg-") and retrieved.staging.expires_at.seconds > 0
+    f1 = next(f for f in retrieved.facts if f.fact_id == "f1")
     fetched = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
-                                                  facts=[pb.FactRef(fact_id="f1", version=1)])))
+                                                  facts=[pb.FactRef(fact_id="f1", version=1, content_id=f1.content_id)])))
     assert decode_kv_blob(fetched[0].blob).header.fact_id == "f1"
+    unnamed = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
+                                                  facts=[pb.FactRef(fact_id="f1", version=1)])))
+    assert unnamed[0].blob == b""  # only what the index stores under exactly this name is served
     stats = _profile_stats(stub, profile, "kvp-complete")
     assert (stats.queued, stats.leased, stats.done) == (0, 0, 3)
 
@@ -148,8 +160,10 @@ def test_deleting_facts_and_users_removes_their_kv_from_every_tier(stub) -> None
     lease = _lease(stub, profile)
     _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
 
+    content_ids = _content_ids(stub, profile, "kvp-cascade")
+
     def kv_blobs(fact_ids):
-        refs = [pb.FactRef(fact_id=f, version=1) for f in fact_ids]
+        refs = [pb.FactRef(fact_id=f, version=1, content_id=content_ids[f]) for f in fact_ids]
         return [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cascade",
                                                                facts=refs))]
 
@@ -188,8 +202,9 @@ def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> N
         _ingest(stub, "kvp-restart", count=3)
         lease = _lease(stub, profile)
         _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
+        content_ids = _content_ids(stub, profile, "kvp-restart")
     service.stop()
-    corrupted = next((tmp_path / "data" / "kv" / "blobs").rglob("f1.v1.kv"))
+    corrupted = next((tmp_path / "data" / "kv" / "blobs").rglob("f1.v1.*.kv"))
     corrupted.write_bytes(corrupted.read_bytes()[:-7] + b"garbage")
 
     restarted = MemoryServiceProcess(tmp_path / "data", tmp_path / "log").start()
@@ -198,7 +213,7 @@ def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> N
             stub = memory_pb2_grpc.MemoryServiceStub(channel)
             disk = next(t for t in stub.GetStats(pb.GetStatsRequest()).tiers if t.name == "disk")
             assert disk.entries == 3
-            refs = [pb.FactRef(fact_id=f"f{i}", version=1) for i in range(3)]
+            refs = [pb.FactRef(fact_id=f"f{i}", version=1, content_id=content_ids[f"f{i}"]) for i in range(3)]
             blobs = [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id,
                                                                     user_id="kvp-restart", facts=refs))]
             assert [bool(b) for b in blobs] == [True, False, True]
@@ -208,3 +223,81 @@ def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> N
             assert [i.fact_id for i in _lease(stub, profile).items] == ["f1"]
     finally:
         restarted.stop()
+
+
+def test_a_worker_completing_after_the_fact_was_recreated_stores_nothing(stub) -> None:
+    """Regression: a lease on the old fact completed into the re-created fact (versions restarted at 1)."""
+    profile = _announce(stub, "model-recreate")
+    _ingest(stub, "kvp-recreate", count=1)
+    old_lease = _lease(stub, profile, worker="slow")
+    (old_item,) = old_lease.items
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id="kvp-recreate", fact_ids=["f0"]))
+    (recreated,) = stub.IngestFacts(pb.IngestFactsRequest(user_id="kvp-recreate", facts=[
+        pb.FactInput(fact_id="f0", text="a different fact now")])).facts
+    assert recreated.version > old_item.version
+    late = _complete(stub, profile, old_lease, [_upload(profile, old_item)], worker="slow")
+    assert (late.accepted, late.stale) == (0, 1)
+    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="kvp-recreate", query="fact", top_k=5,
+                                                                 profile=profile, node_id="n1"))
+    assert [(f.fact_id, f.version, f.kv_ready) for f in retrieved.facts] == [("f0", recreated.version, False)]
+    (new_item,) = _lease(stub, profile).items
+    assert (new_item.version, new_item.text) == (recreated.version, "a different fact now")
+
+
+def test_fact_versions_are_never_handed_out_twice(stub) -> None:
+    user = "kvp-versions"
+    versions = [stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+        pb.FactInput(fact_id="f0", text="first text")])).facts[0].version]
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user, fact_ids=["f0"]))
+    versions.append(stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+        pb.FactInput(fact_id="f0", text="second text")])).facts[0].version)
+    stub.DeleteUser(pb.DeleteUserRequest(user_id=user))
+    versions.append(stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+        pb.FactInput(fact_id="f0", text="third text"), pb.FactInput(fact_id="f9", text="other")])).facts[0].version)
+    assert versions == sorted(set(versions)) and versions[0] == 1
+
+
+def _header_blob(profile: pb.KvProfile, token_ids=(1, 2, 3)) -> bytes:
+    header = KvBlobHeader(profile_id=profile.profile_id, user_id="_profile", fact_id="header", version=1,
+                          storage_dtype="float32", num_layers=2, num_tokens=len(token_ids), num_kv_heads=1, head_dim=4,
+                          token_ids=tuple(token_ids), content_id=content_id(profile.profile_id, [], token_ids))
+    keys = torch.full((2, len(token_ids), 1, 4), 0.5)
+    return encode_kv_blob(header, keys, keys)
+
+
+def test_the_header_kv_survives_disk_pressure_and_is_asked_for_again_when_lost(tmp_path) -> None:
+    """Regression: the header was evicted from the disk tier first and nothing recreated it."""
+    service = MemoryServiceProcess(tmp_path / "data", tmp_path / "log", "--kv-host-budget-mb", "0",
+                                   "--kv-disk-budget-gb", str(3000 / (1 << 30))).start()  # room for ~10 blobs
+    try:
+        with service.channel() as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            profile = _profile("model-header")
+            stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                           announcer_id="w", header_kv=_header_blob(profile)))
+            _ingest(stub, "kvp-header", count=20)
+            lease = _lease(stub, profile)
+            assert not lease.header_kv_wanted
+            _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
+            header_id = content_id(profile.profile_id, [], (1, 2, 3))
+
+            def header_blob() -> bytes:
+                (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-header",
+                                                          include_header=True, header_content_id=header_id))
+                return reply.blob
+
+            assert header_blob() == _header_blob(profile)  # the disk tier evicted facts, never the header
+            disk = next(t for t in stub.GetStats(pb.GetStatsRequest()).tiers if t.name == "disk")
+            assert disk.evictions > 0 and disk.bytes <= disk.budget_bytes
+            header_file = next((tmp_path / "data" / "kv" / "blobs").rglob("header.v1.*.kv"))
+            header_file.write_bytes(b"torn")
+            assert header_blob() == b""
+            retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                user_id="kvp-header", query="fact", top_k=3, profile=profile, node_id="n1"))
+            assert retrieved.header_content_id == ""  # the node serves the memory as text meanwhile
+            assert _lease(stub, profile).header_kv_wanted
+            stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                           announcer_id="w", header_kv=_header_blob(profile)))
+            assert not _lease(stub, profile).header_kv_wanted and header_blob() == _header_blob(profile)
+    finally:
+        service.stop()

@@ -3,18 +3,20 @@
 import torch
 
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.eviction import LruEviction
+from inferscale_kv.kv_key import KvKey, content_id, header_key
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
-from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, KvKey, LruEviction, MemoryTier
+from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, MemoryTier
 
 
-def _key(index: int, user: str = "u1") -> KvKey:
-    return KvKey("kvp-test", user, f"fact-{index}", 1)
+def _key(index: int, user: str = "u1", version: int = 1) -> KvKey:
+    return KvKey("kvp-test", user, f"fact-{index}", version, content_id("kvp-test", [7], range(4)))
 
 
 def _blob(key: KvKey, tokens: int = 4) -> bytes:
     header = KvBlobHeader(profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id, version=key.version,
                           storage_dtype="float32", num_layers=2, num_tokens=tokens, num_kv_heads=1, head_dim=8,
-                          token_ids=tuple(range(tokens)))
+                          token_ids=tuple(range(tokens)), content_id=key.content_id)
     keys = torch.full((2, tokens, 1, 8), float(hash(key) % 97))
     return encode_kv_blob(header, keys, keys + 1)
 
@@ -84,7 +86,7 @@ def test_disk_tier_detects_a_torn_write(tmp_path) -> None:
 
 def test_disk_tier_restores_its_entries_after_restart(tmp_path) -> None:
     tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
-    keys = [_key(0), KvKey("kvp-test", "user/with:odd.chars", "f/1", 3)]
+    keys = [_key(0), KvKey("kvp-test", "user/with:odd.chars", "f/1", 3, "0123456789abcdef" * 2)]
     for key in keys:
         tier.put(key, _blob(key))
     reopened = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
@@ -97,7 +99,7 @@ def test_store_promotes_a_disk_hit_into_the_host_tier(tmp_path) -> None:
     store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
     host, disk = store.tiers
     for index in range(21):
-        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4])
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
     assert not host.contains(_key(0)) and disk.contains(_key(0))
     assert store.get(_key(0)) == _blob(_key(0))
     assert host.contains(_key(0))
@@ -108,7 +110,7 @@ def test_promote_reads_from_disk_only_what_no_memory_tier_holds(tmp_path) -> Non
     store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
     host, disk = store.tiers
     for index in range(21):
-        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4])
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
     reads_before = disk.stats.hits
     store.promote(_key(20))  # in the host tier since its put
     assert disk.stats.hits == reads_before
@@ -120,7 +122,7 @@ def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
     store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
     store.index.add_profile("kvp-test", {})
     store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
-    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4])
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
     assert store.index.counts("kvp-test").done == 1
     store.disk.path(_key(0)).write_bytes(b"garbage")
     assert store.get(_key(0)) is None
@@ -132,6 +134,69 @@ def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
 def test_disk_eviction_forgets_the_index_entry(tmp_path) -> None:
     store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=2 * BLOB_SIZE))
     for index in range(3):
-        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4])
-    assert store.index.stored_version("kvp-test", "u1", "fact-0") is None
-    assert store.index.stored_version("kvp-test", "u1", "fact-2") == 1
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
+    assert store.index.entry("kvp-test", "u1", "fact-0") is None
+    assert store.index.entry("kvp-test", "u1", "fact-2").key == _key(2)
+
+
+def test_header_kv_is_pinned_in_every_tier_also_after_restart(tmp_path) -> None:
+    """Regression: the header was evicted from the disk tier first (it is never read there)."""
+    budgets = KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=3 * BLOB_SIZE)  # the host admits one blob per put
+    store = TieredKvStore(tmp_path, budgets)
+    header = header_key("kvp-test", range(4))
+    store.put(header, _blob(header), token_ids=list(range(4)), lease_id=None)
+    for index in range(14):
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
+    assert all(tier.contains(header) for tier in store.tiers)
+    assert store.index.header_entry("kvp-test").key == header
+    store.close()
+    reopened = TieredKvStore(tmp_path, budgets)
+    for index in range(6, 9):
+        reopened.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
+    assert reopened.disk.contains(header) and reopened.get(header) == _blob(header)
+
+
+def test_a_lost_header_is_not_queued_as_a_fact(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=10 * BLOB_SIZE))
+    header = header_key("kvp-test", range(4))
+    store.put(header, _blob(header), token_ids=list(range(4)), lease_id=None)
+    store.disk.path(header).write_bytes(b"garbage")
+    assert store.get(header) is None
+    assert store.index.header_entry("kvp-test") is None  # LeaseKvWork now asks workers for it (header_kv_wanted)
+    assert store.index.all_jobs() == []
+
+
+def test_get_serves_only_what_the_index_lists_under_exactly_that_key(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=10 * BLOB_SIZE))
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
+    other_content = KvKey("kvp-test", "u1", "fact-0", 1, "f" * 32)
+    assert store.get(other_content) is None
+    store.forget("u1", ["fact-0"])
+    assert store.get(_key(0)) is None and not any(tier.contains(_key(0)) for tier in store.tiers)
+
+
+def test_a_completion_counts_only_under_the_lease_that_holds_the_job(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=10 * BLOB_SIZE))
+    store.index.add_profile("kvp-test", {})
+    store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
+    lease_id, _, jobs = store.index.lease("kvp-test", 10, 60)
+    assert len(jobs) == 1
+    assert not store.put(_key(0), _blob(_key(0)), [1, 2, 3, 4], lease_id="another-lease")
+    assert not store.disk.contains(_key(0)) and store.index.entry("kvp-test", "u1", "fact-0") is None
+    store.forget("u1", ["fact-0"])  # deleted while leased: the lease no longer holds a job
+    assert not store.put(_key(0), _blob(_key(0)), [1, 2, 3, 4], lease_id=lease_id)
+    assert list(store.disk.keys()) == [] and store.index.all_entry_keys() == []
+
+
+def test_disk_tier_drops_files_of_an_older_layout_at_start(tmp_path) -> None:
+    old = tmp_path / "kvp-test" / "u1" / "fact-0.v1.kv"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(_blob(_key(0)))
+    tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
+    assert list(tier.keys()) == [] and not old.exists()
+
+
+def test_disk_tier_refuses_a_file_whose_blob_names_another_key(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
+    tier.put(_key(0), _blob(_key(1)))
+    assert tier.get(_key(0)) is None

@@ -10,7 +10,7 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.config import ServiceConfig
 from memory_service.servicer import MemoryServicer
-from memory_service.launcher import free_port
+from inferscale_kv.runtime import free_port
 
 
 class SlowLoadingServicer(MemoryServicer):
