@@ -17,7 +17,7 @@ from inferscale_kv.call_credentials import WORKER, memory_service_channel
 from inferscale_kv.layout import memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import KV_DTYPES
-from memory_service.logs import configure_logging
+from inferscale_kv.runtime import configure_logging
 from precompute_worker.encoder import DTYPES, FactEncoder
 from precompute_worker.worker import PrecomputeWorker
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from inferscale_kv.rope import check_rotary_supported
 from inferscale_kv.shape import KvShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +51,7 @@ class EncodedFact:
     spec: FactSpec
     keys: torch.Tensor  # pre-RoPE, [layers, tokens, kv_heads, head_dim]
     values: torch.Tensor
+    context_ids: tuple[int, ...] = ()  # the context tokens the fact attended to (header and window turns)
 
 
 class _KvCapture:
@@ -95,8 +97,9 @@ class FactEncoder:
     def from_pretrained(
         cls, model_dir: Path | str, dtype: str = "float32", device: str = "cpu", max_tokens_per_forward: int = 2048
     ) -> FactEncoder:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        check_rotary_supported(AutoConfig.from_pretrained(model_dir))  # before loading weights
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa")
         return cls(model.to(device), max_tokens_per_forward)
 
@@ -124,7 +127,7 @@ class FactEncoder:
         positions: list[int] = []
         # (row start, row end, [allowed column ranges]) per block, for the mask.
         blocks: list[tuple[int, int, int, int]] = []  # (start, length, context_start, visible_context)
-        fact_slices: list[tuple[FactSpec, int]] = []
+        fact_slices: list[tuple[FactSpec, int, tuple[int, ...]]] = []
         for group in groups:
             context_start = len(input_ids)
             input_ids.extend(group.context_ids)
@@ -137,7 +140,7 @@ class FactEncoder:
                 input_ids.extend(fact.token_ids)
                 positions.extend(range(fact.prefix_length, fact.prefix_length + len(fact.token_ids)))
                 blocks.append((start, len(fact.token_ids), context_start, fact.prefix_length))
-                fact_slices.append((fact, start))
+                fact_slices.append((fact, start, tuple(group.context_ids[: fact.prefix_length])))
 
         length = len(input_ids)
         allowed = torch.zeros(length, length, dtype=torch.bool)
@@ -167,6 +170,7 @@ class FactEncoder:
                 spec=fact,
                 keys=keys[:, start : start + len(fact.token_ids)].clone(),
                 values=values[:, start : start + len(fact.token_ids)].clone(),
+                context_ids=context_ids,
             )
-            for fact, start in fact_slices
+            for fact, start, context_ids in fact_slices
         ]

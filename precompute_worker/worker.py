@@ -12,6 +12,7 @@ import structlog
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, content_id
 from inferscale_kv.model_profile import ModelProfile
 from precompute_worker.encoder import EncodedFact, EncodingGroup, FactEncoder, FactKey, FactSpec
 from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
@@ -19,7 +20,7 @@ from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
 log = structlog.get_logger(__name__)
 
 UPLOAD_CHUNK_BYTES = 16 << 20
-HEADER_KEY = FactKey("_profile", "header", 1)
+HEADER_KEY = FactKey(HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION)
 
 
 @dataclass
@@ -70,6 +71,8 @@ class PrecomputeWorker:
         lease = self.stub.LeaseKvWork(pb.LeaseKvWorkRequest(
             worker_id=self.worker_id, profile_id=self.profile.profile_id, max_facts=self.max_facts,
             lease_seconds=self.lease_seconds))
+        if lease.header_kv_wanted:
+            self.announce()  # the service lost the header KV (deleted or corrupt): every node needs it
         if not lease.items:
             return 0
         jobs = [FactJob(FactKey(i.user_id, i.fact_id, i.version), i.text, i.source_turn_id) for i in lease.items]
@@ -97,7 +100,8 @@ class PrecomputeWorker:
         header = KvBlobHeader(
             profile_id=self.profile.profile_id, user_id=key.user_id, fact_id=key.fact_id, version=key.version,
             storage_dtype=self.profile.kv_dtype, num_layers=fact.keys.shape[0], num_tokens=fact.keys.shape[1],
-            num_kv_heads=fact.keys.shape[2], head_dim=fact.keys.shape[3], token_ids=tuple(fact.spec.token_ids))
+            num_kv_heads=fact.keys.shape[2], head_dim=fact.keys.shape[3], token_ids=tuple(fact.spec.token_ids),
+            content_id=content_id(self.profile.profile_id, fact.context_ids, fact.spec.token_ids))
         blob = encode_kv_blob(header, fact.keys, fact.values)
         return pb.FactKvUpload(user_id=key.user_id, fact_id=key.fact_id, version=key.version, blob=blob)
 

@@ -20,9 +20,11 @@ def _training_text() -> list[str]:
     return [path.read_text(errors="ignore") for path in sorted(stdlib.glob("*.py"))[:60]]
 
 
-def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab_size: int = 2000) -> Path:
-    """Writes config, fp32 weights and tokenizer to `directory` (a plain HF folder) and returns it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab_size: int = 2000,
+                     bos_on_encode: bool = False) -> Path:
+    """Writes config, fp32 weights and tokenizer to `directory` (a plain HF folder) and returns it.
+    `bos_on_encode`: the tokenizer adds <s> when asked for special tokens, as Llama-3's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -34,6 +36,9 @@ def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    if bos_on_encode:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)

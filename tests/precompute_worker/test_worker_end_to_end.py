@@ -38,7 +38,7 @@ def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_servic
             assert list(fact.token_ids) == fact_token_ids(tokenizer, fact.text)
         fetched = list(stub.FetchKv(pb.FetchKvRequest(
             profile_id=profile.profile_id, user_id=user_id,
-            facts=[pb.FactRef(fact_id=f.fact_id, version=f.version) for f in facts])))
+            facts=[pb.FactRef(fact_id=f.fact_id, version=f.version, content_id=f.content_id) for f in facts])))
         for fact, reply in zip(facts, fetched):
             kv = decode_kv_blob(reply.blob)
             assert kv.keys.shape == (30, len(fact.token_ids), 3, 64)
@@ -58,7 +58,8 @@ def test_kv_through_worker_and_service_reproduces_plain_prefill(memory_service, 
 
     (fact,) = _retrieve_all(stub, user_id, profile)
     (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user_id,
-                                              facts=[pb.FactRef(fact_id="bees", version=1)]))
+                                              facts=[pb.FactRef(fact_id="bees", version=1,
+                                                                content_id=fact.content_id)]))
     kv = decode_kv_blob(reply.blob)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     header = memory_header_ids(tokenizer)
