@@ -147,15 +147,16 @@ class Evaluator:
         self.cos, self.sin = tables.cos, tables.sin
         settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
                                 fetch_timeout_s=120.0)
-        self.stager = KvStager(settings, NodeKvCache(2 << 30), self.model.config)
+        self.stager = KvStager(settings, NodeKvCache(), self.model.config)
         self.max_new_tokens = max_new_tokens
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
-    def prompt(self, facts: list[pb.RetrievedFact], question: str, profile_id: str, user_id: str, order_key):
+    def prompt(self, facts: list[pb.RetrievedFact], header_content_id: str, question: str, profile_id: str,
+               user_id: str, order_key):
         """The node's prompt (its middleware's memory block and load plan) with the facts in `order_key` order."""
         from inference_node.memory_prompt import plan_memory, system_content
 
-        plan = plan_memory(facts, self.header_ids, profile_id, user_id, order_key)
+        plan = plan_memory(facts, self.header_ids, header_content_id, profile_id, user_id, order_key)
         messages = [{"role": "system", "content": system_content(plan.block_text, "")},
                     {"role": "user", "content": f"{ANSWER_INSTRUCTION}\n{question}"}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -166,14 +167,12 @@ class Evaluator:
         from transformers import DynamicCache
 
         from inference_node.compose import ChunkSlice, compose_prefix
-        from inference_node.connector import provable_prefix
-        from inference_node.staging import ChunkRef
+        from inference_node.plan import provable_prefix
 
-        end, chunks = provable_prefix(prompt_ids, plan.kv_params, profile_id)
+        end, chunks = provable_prefix(prompt_ids, plan.plan, profile_id)
         if not end:
             raise LookupError("the connector would claim nothing of this prompt")
-        refs = [ChunkRef(c.fact_id, c.version, tuple(c.token_ids)) for c in chunks]
-        staged = self.stager.stage(profile_id, user_id, refs, torch.device("cpu"), torch.float32, None)
+        staged = self.stager.stage(user_id, chunks, torch.device("cpu"), torch.float32, None, may_fetch=True)
         slices = [ChunkSlice(e.keys, e.values, 0, min(len(c.token_ids), end - c.offset))
                   for c, e in zip(chunks, staged.entries, strict=True) if c.offset < end]
         layers = self.model.config.num_hidden_layers
@@ -299,7 +298,7 @@ def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversati
     source_of_fact = {fact.fact_id: fact.source_turn_id for fact in conversation.facts}
     seq_of_fact = {fact_id: seq_of_turn.get(source, 0) for fact_id, source in source_of_fact.items()}
     ranked_sources = [source_of_fact.get(fact.fact_id, "") for fact in sorted(facts, key=lambda f: f.rank)]
-    prompt_ids, plan = evaluator.prompt(facts, question.question, profile_id, user_id,
+    prompt_ids, plan = evaluator.prompt(facts, response.header_content_id, question.question, profile_id, user_id,
                                         order_key(variant.order, seq_of_fact))
     if variant.order not in text_scores:
         text_scores[variant.order] = evaluator.score(prompt_ids, question.answer)

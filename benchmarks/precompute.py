@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from benchmarks.synthetic import synthetic_facts
 from demo.smollm2 import build_smollm2
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
+from inferscale_kv.kv_key import content_id
 from inferscale_kv.layout import memory_header_ids
 from precompute_worker.encoder import FactEncoder, FactKey
 from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
@@ -112,7 +113,8 @@ def main() -> None:
             spec = fact.spec
             header_fields = KvBlobHeader("kvp-bench", spec.key.user_id, spec.key.fact_id, 1, dtype,
                                          *fact.keys.shape[:1], fact.keys.shape[1], *fact.keys.shape[2:],
-                                         token_ids=tuple(spec.token_ids))
+                                         token_ids=tuple(spec.token_ids),
+                                         content_id=content_id("kvp-bench", fact.context_ids, spec.token_ids))
             blob = encode_kv_blob(header_fields, fact.keys, fact.values)
             total += len(blob)
             decoded = decode_kv_blob(blob)

@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import sys
 from pathlib import Path
 
+from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import KV_DTYPES
 
 ENV_PREFIX = "INFERSCALE_NODE_"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+MIN_VLLM_GPU_SHARE = 0.05
 
 
 def _env(name: str, default):
@@ -45,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     parser.add_argument("--fetch-timeout-s", type=float, default=float(_env("fetch_timeout_s", 10.0)),
                         help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
-    parser.add_argument("--no-async-loads", action="store_true",
-                        help="fetch node-cache misses inside the engine step instead of while the request waits")
     parser.add_argument("--load-stats-path", default=_env("load_stats_path", ""),
                         help="benchmarks only: append per-load timings (JSON lines; synchronizes the device per load)")
     parser.add_argument("--user-header", default=_env("user_header", ""),
@@ -54,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory.user_id must equal it")
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     return parser
+
+
+def kv_transfer_config(settings: NodeSettings) -> dict:
+    """vLLM's --kv-transfer-config for InferScale's connector (the plan secret travels in the environment)."""
+    return {
+        "kv_connector": "InferScaleConnector",
+        "kv_connector_module_path": "inference_node.connector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": json.loads(settings.to_json()),
+    }
 
 
 def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings]:
@@ -68,19 +81,43 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
     settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
                             default_top_k=args.memory_top_k, retrieve_timeout_s=args.retrieve_timeout_s,
-                            fetch_timeout_s=args.fetch_timeout_s, async_loads=not args.no_async_loads,
-                            load_stats_path=args.load_stats_path, user_header=args.user_header)
-    transfer = {
-        "kv_connector": "InferScaleConnector",
-        "kv_connector_module_path": "inference_node.connector",
-        "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": json.loads(settings.to_json()),
-    }
+                            fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path, user_header=args.user_header)
+    transfer = kv_transfer_config(settings)
+    vllm_args = within_gpu_memory_budget(vllm_args, args.node_cache_mb << 20, cuda_device_bytes())
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                *vllm_args, "--kv-transfer-config", json.dumps(transfer),
                "--middleware", "inference_node.middleware.MemoryMiddleware", "--enable-prompt-tokens-details"]
     return command, settings
+
+
+def cuda_device_bytes() -> int | None:
+    """Total memory of the first CUDA device, None without one (CPU nodes: the node cache is host memory)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def within_gpu_memory_budget(vllm_args: list[str], node_cache_bytes: int, device_bytes: int | None) -> list[str]:
+    """vLLM's flags with --gpu-memory-utilization lowered by the node cache's share of the device, so that vLLM
+    and the node cache together stay within the fraction the operator gave (vLLM's default 0.9 when not given)."""
+    if device_bytes is None:
+        return vllm_args
+    args, utilization = list(vllm_args), DEFAULT_GPU_MEMORY_UTILIZATION
+    for index, arg in enumerate(args):
+        if arg == "--gpu-memory-utilization" and index + 1 < len(args):
+            utilization = float(args[index + 1])
+            del args[index : index + 2]
+            break
+        if arg.startswith("--gpu-memory-utilization="):
+            utilization = float(arg.split("=", 1)[1])
+            del args[index]
+            break
+    remaining = utilization - node_cache_bytes / device_bytes
+    if remaining < MIN_VLLM_GPU_SHARE:
+        raise SystemExit(f"inference_node: --node-cache-mb {node_cache_bytes >> 20} takes "
+                         f"{node_cache_bytes / device_bytes:.1%} of the device's {device_bytes >> 20} MiB, leaving vLLM "
+                         f"{remaining:.1%} of --gpu-memory-utilization {utilization}: lower --node-cache-mb")
+    return [*args, "--gpu-memory-utilization", f"{remaining:.4f}"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,7 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     if "--dry-run" in (argv if argv is not None else sys.argv[1:]):
         print(" ".join(command))
         return
-    os.execvpe(command[0], command, {**os.environ, SETTINGS_ENV: settings.to_json()})
+    # The plan secret reaches vLLM's processes by inheritance only (vLLM logs its config, not its environment).
+    secret = os.environ.get(PLAN_SECRET_ENV) or secrets.token_hex(32)
+    os.environ[PLAN_SECRET_ENV] = secret
+    try:
+        plan_secret_from_env()
+    except PlanSecretMissing as exc:
+        raise SystemExit(f"inference_node: {exc}") from None
+    os.execvpe(command[0], command, {**os.environ, SETTINGS_ENV: settings.to_json(), PLAN_SECRET_ENV: secret})
 
 
 if __name__ == "__main__":

@@ -32,6 +32,14 @@ class ChunkSlice:
     begin: int
     end: int
 
+    def __post_init__(self) -> None:
+        """Bounds every read the kernels make: a slice never reaches past its chunk's rows."""
+        if self.keys.dim() != 4 or self.keys.shape != self.values.shape:
+            raise ValueError(f"chunk keys {tuple(self.keys.shape)} / values {tuple(self.values.shape)}: "
+                             "want one [layers, tokens, kv_heads, head_dim] shape")
+        if not 0 <= self.begin < self.end <= self.keys.shape[1]:
+            raise ValueError(f"slice [{self.begin}, {self.end}) outside the chunk's {self.keys.shape[1]} rows")
+
 
 def compose_prefix(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin: torch.Tensor,
                    num_layers: int, *, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +48,7 @@ def compose_prefix(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin:
     `cos`/`sin` are the model's rotary tables `[max_positions, head_dim]` in float32 on the slices' device; `fused`
     forces (True) or avoids (False) the Triton kernel, default: fused on CUDA.
     """
+    _check_slices(slices, start + sum(s.end - s.begin for s in slices), cos)
     if fused is None:
         fused = triton is not None and slices[0].keys.is_cuda
     if fused:
@@ -49,6 +58,13 @@ def compose_prefix(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin:
     count = keys.shape[1]
     rotated = apply_rope(keys, 0, cos[start : start + count].to(keys.dtype), sin[start : start + count].to(keys.dtype))
     return rotated, values.contiguous()
+
+
+def _check_slices(slices: list[ChunkSlice], end: int, cos: torch.Tensor) -> None:
+    if not slices or any(s.keys.shape[2:] != slices[0].keys.shape[2:] for s in slices):
+        raise ValueError("chunks of one load must share [kv_heads, head_dim]")
+    if end > cos.shape[0]:
+        raise ValueError(f"positions up to {end} exceed the rotary tables' {cos.shape[0]}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,7 @@ def compose_into_cache(slices: list[ChunkSlice], start: int, cos: torch.Tensor, 
     first = caches.layers[0]
     _, _, heads, head_dim = slices[0].keys.shape
     count = sum(s.end - s.begin for s in slices)
+    _check_slices(slices, start + count, cos)
     if (first.shape[1], first.shape[3]) != (heads, 2 * head_dim):
         raise ValueError(f"chunk KV [{heads} heads x {head_dim}] does not fit caches of shape {tuple(first.shape)}")
     covered = len(caches.block_ids) * caches.block_size

@@ -18,6 +18,8 @@ COUNTERS = {
     "node_cache_lookups": "chunk lookups in the node's device-resident fact-KV cache",
     "node_cache_hits": "chunk lookups served by the node cache",
     "facts_fetched": "chunks fetched from the memory service (node-cache misses)",
+    "sync_misses": "synchronous loads refused because a chunk was not in the node cache (recomputed, never fetched)",
+    "plans_refused": "requests whose load plan was unsigned, altered, for another profile or salt, or with LoRA",
 }
 
 

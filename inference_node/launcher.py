@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from memory_service.launcher import free_port
+from inferscale_kv.runtime import free_port
 
 STARTUP_TIMEOUT_S = 420.0
 

@@ -1,11 +1,15 @@
 """OpenAI-API middleware: turns a request's `memory` field into the user's retrieved facts in the prompt.
 
-A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddleware`): it reads the body
-of POST /v1/chat/completions and /v1/completions, removes `memory`, calls RetrieveAndStage, writes the facts
-into the prompt (one per line, best last) and, in kv mode, adds the load plan (`kv_transfer_params`) and a
-`cache_salt`; then it replays the rewritten body to vLLM once and delegates `receive`. Responses get an
-`x-inferscale-memory` header with a JSON summary. If the memory service cannot be reached the request is
-answered without memory, and the header says so.
+A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddleware`) in front of every route:
+- Every POST with a JSON body, on any route vLLM serves or may add, loses the client's own `kv_transfer_params`
+  and reserved cache salts before vLLM sees it (`plan.strip_client_plans`; counted in
+  `inferscale_node_client_plans_refused_total`): load plans come from this middleware only, signed.
+- On POST /v1/chat/completions and /v1/completions, `memory` is removed, RetrieveAndStage called, the facts
+  written into the prompt (one per line, best last) and, in kv mode, the signed load plan (`kv_transfer_params`)
+  and signed `cache_salt` added; the rewritten body is replayed to vLLM once and `receive` delegated. Completions
+  in a memory mode are tokenized without added special tokens (the header carries the template's BOS). Responses
+  get an `x-inferscale-memory` header with a JSON summary. If the memory service cannot be reached the request
+  is answered without memory, and the header says so. `memory` on any other route is a 400.
 
     "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off"}
 """
@@ -20,7 +24,8 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_prompt import cache_salt, plan_memory, system_content
+from inference_node.memory_prompt import plan_memory, system_content
+from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
@@ -35,6 +40,8 @@ REQUESTS = Counter("inferscale_node_memory_requests", "requests with a memory fi
 RETRIEVE_ERRORS = Counter("inferscale_node_retrieve_errors",
                           "memory requests answered without memory because RetrieveAndStage failed")
 FACTS_PLACED = Counter("inferscale_node_facts", "facts placed in prompts, by how", ["how"])
+CLIENT_PLANS_REFUSED = Counter("inferscale_node_client_plans_refused",
+                               "client-sent kv_transfer_params and reserved cache salts removed from request bodies")
 STAGE_SECONDS = Histogram("inferscale_node_stage_seconds", "RetrieveAndStage latency seen by the node",
                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 
@@ -92,6 +99,7 @@ class MemoryMiddleware:
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
         self._call_metadata: tuple[tuple[str, str], ...] = ()
         self._profile = pb.KvProfile(**self.settings.profile)
+        self._signer = PlanSigner(plan_secret_from_env())
 
     def _prepare(self) -> None:
         if self._tokenizer is None:
@@ -106,24 +114,32 @@ class MemoryMiddleware:
             self._call_metadata = bearer_metadata(NODE)
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in MEMORY_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
         try:
             payload = json.loads(body)
-        except ValueError:
-            payload = None
-        if not isinstance(payload, dict) or ("memory" not in payload and "kv_transfer_params" not in payload):
+        except ValueError:  # not JSON (a form, say): vLLM reads no load plan from it
             await self.app(scope, _replay(body, receive), send)
             return
-        # Load plans come only from this middleware: a client's own could name another user's facts.
-        payload.pop("kv_transfer_params", None)
-        if "memory" not in payload:
-            await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send)
+        refused = strip_client_plans(payload)
+        if refused:
+            CLIENT_PLANS_REFUSED.inc(refused)
+        path = scope.get("path")
+        if not isinstance(payload, dict) or "memory" not in payload:
+            if refused:
+                await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send)
+            else:
+                await self.app(scope, _replay(body, receive), send)
+            return
+        if path not in MEMORY_PATHS:
+            await _send_error(send, 400, f"memory: supported on {' and '.join(sorted(MEMORY_PATHS))} only, not {path}")
             return
         try:
             user_id, top_k, mode = parse_memory(payload.pop("memory"), self.settings)
+            if path == "/v1/completions" and not isinstance(payload.get("prompt", ""), str):
+                raise MemoryRequestError("prompt: with memory, must be one string (not token ids or a list)")
         except MemoryRequestError as exc:
             await _send_error(send, 400, str(exc))
             return
@@ -136,7 +152,7 @@ class MemoryMiddleware:
         REQUESTS.labels(mode=mode).inc()
         summary: dict[str, Any] = {"mode": mode}
         if mode != "off":
-            await self._add_memory(payload, scope["path"], user_id, top_k, mode, summary)
+            await self._add_memory(payload, path, user_id, top_k, mode, summary)
         summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
 
         async def send_with_summary(message: Message) -> None:
@@ -162,7 +178,8 @@ class MemoryMiddleware:
             return
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)
-        plan = plan_memory(list(response.facts), self._header_ids, self.settings.profile_id, user_id)
+        plan = plan_memory(list(response.facts), self._header_ids, response.header_content_id,
+                           self.settings.profile_id, user_id)
         if path == "/v1/chat/completions":
             messages = payload.get("messages", [])
             client_system = ""
@@ -172,10 +189,15 @@ class MemoryMiddleware:
                                    *messages]
         else:
             payload["prompt"] = self._header_text + plan.block_text + (payload.get("prompt") or "")
+            # The header text carries the template's BOS: a second one would shift every position.
+            payload["add_special_tokens"] = False
         summary.update(facts=len(plan.facts), stage_ms=round(stage_seconds * 1000, 2))
+        if not response.header_content_id:
+            summary.update(header_kv="missing")
+        if mode == "kv" and response.header_content_id:
+            payload["kv_transfer_params"] = self._signer.kv_transfer_params(plan.plan)
+            payload["cache_salt"] = self._signer.cache_salt(plan.plan)
         if mode == "kv":
-            payload["kv_transfer_params"] = plan.kv_params
-            payload["cache_salt"] = cache_salt(self.settings.profile_id, user_id, plan)
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
             FACTS_PLACED.labels(how="text").inc(len(plan.facts) - plan.kv_facts)

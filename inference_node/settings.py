@@ -11,9 +11,6 @@ import os
 from dataclasses import asdict, dataclass, field
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
-# The key of InferScale's load plan in a request's kv_transfer_params, and the name of its header chunk.
-PARAMS_KEY = "inferscale"
-HEADER_CHUNK = "header"
 
 
 @dataclass(frozen=True)
@@ -30,8 +27,6 @@ class NodeSettings:
     # Speed runs only: fact KV of the right shape is made up on a node-cache miss instead of fetched, so the
     # engine side can be measured without a memory service. Never set in serving (benchmarks say it when set).
     synthetic_kv: bool = False
-    # Node-cache misses are fetched off the engine's step (the request waits for its KV); off: fetched inline.
-    async_loads: bool = True
     # When set, the worker-side connector appends one JSON line per load (tokens, milliseconds) to this file.
     load_stats_path: str = ""
     # When set, a request's memory.user_id must equal this request header's value, set by the authenticating

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.request
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from inference_node.launcher import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.kv_key import content_id
 from inferscale_kv.model_profile import build_model_profile
 from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.worker import profile_message
@@ -51,8 +53,12 @@ def complete(node: InferenceNodeProcess, prompt: str, memory: dict | None, max_t
     return Completion(choice["text"], token_ids, choice["logprobs"]["token_logprobs"], output["usage"], summary)
 
 
+_UPLOADS = itertools.count()
+
+
 def upload_custom_kv(stub, profile: pb.KvProfile, user_id: str, make_kv) -> None:
-    """Plays a worker for one user's facts: `make_kv(item) -> (keys, values, token_ids)`."""
+    """Plays a worker for one user's facts: `make_kv(item) -> (keys, values, token_ids)`. Each upload gets a
+    content id of its own (made-up KV is not a function of its tokens)."""
     lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="test", profile_id=profile.profile_id, max_facts=64))
     uploads = []
     for item in lease.items:
@@ -60,7 +66,8 @@ def upload_custom_kv(stub, profile: pb.KvProfile, user_id: str, make_kv) -> None
             continue
         keys, values, token_ids = make_kv(item)
         header = KvBlobHeader(profile.profile_id, item.user_id, item.fact_id, item.version, "float32",
-                              keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3], tuple(token_ids))
+                              keys.shape[0], keys.shape[1], keys.shape[2], keys.shape[3], tuple(token_ids),
+                              content_id(profile.profile_id, [next(_UPLOADS)], token_ids))
         uploads.append(pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
                                        blob=encode_kv_blob(header, keys, values)))
     assert uploads, f"no leased facts of {user_id}"

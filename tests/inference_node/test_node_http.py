@@ -119,8 +119,9 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), "p", "many")
-    prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION)["input_ids"]
+    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many")
+    prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
+                           add_special_tokens=False)["input_ids"]
     header_ids = memory_header_ids(tokenizer)
     facts = [list(f.token_ids) for f in plan.facts]
     memory_length = len(header_ids) + sum(map(len, facts))
@@ -197,7 +198,7 @@ def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_serv
     text = complete(node, QUESTION, {"user_id": "vanishing", "mode": "text"})
     assert kv.summary["kv_facts"] == 1  # the service still listed it as ready
     _assert_same_generation(kv, text)
-    # Counted; the async load fails, the re-admitted request tries once more synchronously, then it is prefilled.
+    # Counted; the async load fails and the re-admitted request is prefilled (it claims nothing again).
     assert _wait_for_count(node, "load_failures", failures_before + 1) >= failures_before + 1
     assert complete(node, QUESTION, {"user_id": "one", "mode": "kv"}).summary["kv_facts"] == 1  # engine alive
 

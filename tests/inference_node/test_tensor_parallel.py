@@ -10,7 +10,9 @@ from transformers import AutoConfig, AutoTokenizer
 from inference_node.compose import ChunkSlice, compose_prefix
 from inference_node.node_cache import NodeKvCache
 from inference_node.settings import NodeSettings
-from inference_node.staging import ChunkRef, KvStager
+from inference_node.plan import ChunkLoad
+from inference_node.staging import KvStager
+from inferscale_kv.kv_key import KvKey
 from inference_node.tensor_parallel import UNSHARDED, KvHeadShard
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.rope import RotaryTables
@@ -42,7 +44,7 @@ def profile(tiny_llama_dir) -> pb.KvProfile:
 
 
 @pytest.fixture(scope="module")
-def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkRef]:
+def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkLoad]:
     node_stub.IngestFacts(pb.IngestFactsRequest(user_id=USER, facts=[
         pb.FactInput(fact_id=f"f{i}", text=text) for i, text in enumerate(FACTS)]))
     node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=USER, query="Erin", profile=profile, node_id="tp"))
@@ -50,13 +52,21 @@ def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkRef]:
     token_ids = {text: tokenizer(text)["input_ids"] for text in FACTS}
     upload_custom_kv(node_stub, profile, USER, lambda item: (*random_kv(len(token_ids[item.text]), 7 + len(item.text)),
                                                              token_ids[item.text]))
-    return [ChunkRef(f"f{i}", 1, tuple(token_ids[text])) for i, text in enumerate(FACTS)]
+    retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=USER, query="Erin", profile=profile,
+                                                                       node_id="tp"))
+    content = {fact.fact_id: fact.content_id for fact in retrieved.facts}
+    chunks, offset = [], 0
+    for i, text in enumerate(FACTS):
+        key = KvKey(profile.profile_id, USER, f"f{i}", 1, content[f"f{i}"])
+        chunks.append(ChunkLoad(key, tuple(token_ids[text]), offset))
+        offset += len(token_ids[text])
+    return chunks
 
 
 def _stager(memory_service, model_dir, shard: KvHeadShard) -> KvStager:
     settings = NodeSettings(memory_service=memory_service.address, node_id=f"tp-rank-{shard.rank}",
                             model_dir=str(model_dir))
-    return KvStager(settings, NodeKvCache(64 << 20), AutoConfig.from_pretrained(model_dir), shard)
+    return KvStager(settings, NodeKvCache(), AutoConfig.from_pretrained(model_dir), shard)
 
 
 def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
@@ -67,7 +77,7 @@ def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
 
     def composed(shard: KvHeadShard) -> tuple[torch.Tensor, torch.Tensor]:
         staged = _stager(node_memory_service, tiny_llama_dir, shard).stage(
-            profile.profile_id, USER, staged_facts, cpu, torch.float32, None)
+            USER, staged_facts, cpu, torch.float32, None, may_fetch=True)
         assert staged.hits == 0 and staged.lookups == len(staged_facts)
         slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in staged.entries]
         return compose_prefix(slices, 5, tables.cos.float(), tables.sin.float(), config.num_hidden_layers,
@@ -87,5 +97,5 @@ def test_a_rank_caches_only_its_share_of_the_bytes(node_memory_service, tiny_lla
     whole = _stager(node_memory_service, tiny_llama_dir, UNSHARDED)
     half = _stager(node_memory_service, tiny_llama_dir, KvHeadShard(1, 2))
     for stager in (whole, half):
-        stager.stage(profile.profile_id, USER, staged_facts, torch.device("cpu"), torch.float32, None)
+        stager.stage(USER, staged_facts, torch.device("cpu"), torch.float32, None, may_fetch=True)
     assert half.cache.bytes_used * 2 == whole.cache.bytes_used > 0

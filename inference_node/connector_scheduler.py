@@ -1,0 +1,159 @@
+"""The connector's scheduler role: which prompt prefix a request's signed plan proves, whether its load can run
+synchronously (every chunk resident in the node cache) or must wait for a fetch, and what the node cache holds.
+
+Runs in vLLM's EngineCore process on the scheduler's thread; nothing here touches the network or the device.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from inference_node.connector import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector_stats import LoadStats
+from inference_node.node_cache import NodeCacheDirectory
+from inference_node.plan import ChunkLoad, PlanSigner, plan_secret_from_env, provable_prefix
+from inference_node.settings import NodeSettings
+from inference_node.tensor_parallel import KvHeadShard
+from inferscale_kv.shape import KvShape
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+_NO_PLAN: tuple[int, tuple[ChunkLoad, ...], str] = (0, (), "")
+# Synchronous loads are remembered this long (in loads) so that a failure reported a step later finds them.
+_RECENT_SYNC_LOADS = 512
+
+
+class InferScaleScheduler:
+    def __init__(self, vllm_config: VllmConfig, settings: NodeSettings) -> None:
+        self.profile_id = settings.profile_id
+        self._signer = PlanSigner(plan_secret_from_env())
+        tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
+        self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
+                                             _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size))
+        self._plans: dict[str, tuple[int, tuple[ChunkLoad, ...], str]] = {}  # request id -> (end, chunks, user)
+        self._pending: dict[str, LoadSpec] = {}  # decided by update_state_after_alloc, not yet sent
+        self._inflight: dict[str, LoadSpec] = {}  # async loads sent, not yet reported finished
+        self._recent_sync: OrderedDict[str, LoadSpec] = OrderedDict()
+        self._stats = LoadStats()
+
+    def _plan(self, request: Request) -> tuple[int, tuple[ChunkLoad, ...], str]:
+        """The prefix the request's plan proves (memoized per request: its prompt and plan never change)."""
+        memo = self._plans.get(request.request_id)
+        if memo is not None:
+            return memo
+        result = _NO_PLAN
+        if request.kv_transfer_params:
+            plan = self._signer.verified(request.kv_transfer_params)
+            if plan is None or request.cache_salt != self._signer.cache_salt(plan):
+                self._refuse(request, "unsigned or altered plan, or a salt the plan does not sign")
+            elif getattr(request, "lora_request", None) is not None:
+                self._refuse(request, "LoRA request (fact KV is the base model's)")
+            else:
+                end, chunks = provable_prefix(request.prompt_token_ids or [], plan, self.profile_id)
+                if chunks:
+                    result = (end, tuple(chunks), plan["user_id"])
+        self._plans[request.request_id] = result
+        return result
+
+    def _refuse(self, request: Request, why: str) -> None:
+        self._stats.add("plans_refused")
+        logger.warning("InferScale: request %s: load plan refused (%s); its prompt is prefilled",
+                       request.request_id, why)
+
+    def _all_resident(self, chunks: tuple[ChunkLoad, ...]) -> bool:
+        return all(self._directory.is_resident(chunk.key) for chunk in chunks)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        end, chunks, _ = self._plan(request)
+        claim = max(0, end - num_computed_tokens)
+        return claim, claim > 0 and not self._all_resident(chunks)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            self._pending.pop(request.request_id, None)
+            return
+        end, chunks, user_id = self._plan(request)
+        load_async = not self._all_resident(chunks)
+        # An async request is not scheduled this step: its blocks are known only here.
+        block_ids = tuple(blocks.get_block_ids()[0]) if load_async else ()
+        self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, end - num_external_tokens,
+                                                     end, block_ids, load_async)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> InferScaleConnectorMetadata:
+        metadata = InferScaleConnectorMetadata()
+        for req_id in [r for r, spec in self._pending.items() if spec.load_async]:
+            metadata.loads.append(self._pending.pop(req_id))
+        for new in scheduler_output.scheduled_new_reqs:
+            spec = self._pending.pop(new.req_id, None)
+            if spec is not None:
+                metadata.loads.append(spec.with_blocks(new.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        legacy_resumed = getattr(cached, "resumed_from_preemption", None)  # vLLM releases before resumed_req_ids
+        for index, req_id in enumerate(cached.req_ids):
+            spec = self._pending.pop(req_id, None)
+            if spec is None:
+                continue
+            is_resumed = req_id in resumed or bool(legacy_resumed and legacy_resumed[index])
+            new_block_ids = cached.new_block_ids[index]
+            if is_resumed and new_block_ids is not None:
+                # A resumed request gets all of its blocks anew: its memory prefix is loaded again.
+                metadata.loads.append(spec.with_blocks(new_block_ids[0]))
+        protected = {chunk.key for spec in metadata.loads for chunk in spec.chunks}
+        for spec in metadata.loads:
+            if spec.load_async:
+                self._inflight[spec.request_id] = spec
+                self._directory.start_fetch(((c.key, len(c.token_ids)) for c in spec.chunks), protected)
+            else:
+                self._directory.touch(chunk.key for chunk in spec.chunks)
+                self._recent_sync[spec.request_id] = spec
+                while len(self._recent_sync) > _RECENT_SYNC_LOADS:
+                    self._recent_sync.popitem(last=False)
+        metadata.evictions = tuple(self._directory.take_evictions())
+        return metadata
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Settles async loads (resident only when finished without failed blocks) and stops trusting the chunks
+        of failed synchronous loads."""
+        invalid = set(connector_output.invalid_block_ids or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for req_id in {*(connector_output.finished_recving or ()), *failed}:
+            spec = self._inflight.pop(req_id, None)
+            if spec is not None:
+                loaded = req_id not in failed and invalid.isdisjoint(spec.block_ids)
+                self._directory.settle([chunk.key for chunk in spec.chunks], loaded)
+                if not loaded:
+                    self._plans[req_id] = _NO_PLAN  # vLLM prefills it; a re-admitted request claims nothing
+        if invalid:
+            for req_id, spec in list(self._recent_sync.items()):
+                if not invalid.isdisjoint(spec.block_ids):
+                    self._directory.drop(chunk.key for chunk in spec.chunks)
+                    self._plans[req_id] = _NO_PLAN
+                    del self._recent_sync[req_id]
+
+    def request_finished(self, request: Request) -> None:
+        # An async load in flight stays in _inflight: vLLM frees the blocks only once it is reported finished.
+        self._pending.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+        self._recent_sync.pop(request.request_id, None)
+
+    def take_stats(self) -> LoadStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, LoadStats()
+        return stats
+
+
+def _bytes_per_token_per_rank(model_config: Any, tensor_parallel_size: int) -> int:
+    """KV bytes of one token in one rank's node cache (every rank holds the same number of heads)."""
+    rank_shape = KvHeadShard(0, tensor_parallel_size).of(KvShape.from_config(model_config.hf_config))
+    return rank_shape.elements_per_token() * model_config.dtype.itemsize
