@@ -1,14 +1,20 @@
 """Runs real vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker connectors in one
 process, reachable by the test) through what the node cache can go wrong with, and prints one JSON object.
 
-    python -m tests.inference_node.engine_scenario MEMORY_SERVICE MODEL_DIR METRICS_URL USER_ID
+    python -m tests.inference_node.engine_scenario service MEMORY_SERVICE MODEL_DIR METRICS_URL USER_ID
+    python -m tests.inference_node.engine_scenario local MODEL_DIR [DTYPE]      # a GPU check: no memory service
 
 Steps, each compared with the same prompt prefilled as text:
-- cold: the directory knows nothing, the load goes async and fetches;
+- cold (service): the directory knows nothing, the load goes async and fetches;
+- warm (local): the fact KV is encoded here and put in the worker's cache, the directory holds it resident, and
+  the load is synchronous;
 - lost: the worker's cache loses the entries the directory holds resident: the synchronous load must be refused
-  (no FetchKv on the engine thread) and recomputed;
-- refetch: the directory dropped them, so the next load goes async and fetches again;
-- stale: the worker's entry for the fact is replaced by a shorter one (other token ids): refused, recomputed.
+  (no fetch on the engine thread) and recomputed;
+- refetch (service): the directory dropped them, so the next load goes async and fetches again;
+- stale: the worker's entry for the fact is replaced by a shorter one (other token ids): refused, recomputed;
+- fetch_fails (local): the chunks are cold and the memory service unreachable: the async load fails, recomputed.
+The local mode exercises vLLM's failure path for synchronous loads (kv_load_failure_policy="recompute") on the
+stack it runs on, e.g. vLLM on a GPU with Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1).
 """
 
 from __future__ import annotations
@@ -18,22 +24,58 @@ import os
 import secrets
 import sys
 import urllib.request
+from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("INFERSCALE_NODE_PLAN_SECRET", secrets.token_hex(32))
 
 QUESTION = "def answer(question):"
+LOCAL_FACT = "Hana builds kites from bamboo and rice paper."
+UNREACHABLE = "127.0.0.1:9"  # discard port: nothing serves gRPC there
 
 
-def fetch_calls(metrics_url: str) -> float:
+def service_fetch_calls(metrics_url: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=30) as response:
         lines = response.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
                if line.startswith("inferscale_rpc_requests_total{") and 'method="FetchKv"' in line)
 
 
-def main(memory_service: str, model_dir: str, metrics_url: str, user_id: str) -> None:
+def retrieved_from_service(memory_service: str, profile, user_id: str) -> tuple[list, str]:
     import grpc
+
+    from inferscale.v1 import memory_pb2 as pb
+    from inferscale.v1 import memory_pb2_grpc
+
+    with grpc.insecure_channel(memory_service) as channel:
+        retrieved = memory_pb2_grpc.MemoryServiceStub(channel).RetrieveAndStage(pb.RetrieveAndStageRequest(
+            user_id=user_id, query=QUESTION, top_k=5, profile=pb.KvProfile(**profile.as_dict()), node_id="scenario"))
+    return list(retrieved.facts), retrieved.header_content_id
+
+
+def encoded_here(model_dir: str, tokenizer, profile, user_id: str, device: str):
+    """One fact's and the header's KV encoded in this process, as a worker would (w=0), and the facts as
+    RetrieveAndStage would return them."""
+    from inferscale.v1 import memory_pb2 as pb
+    from inferscale_kv.kv_key import content_id, header_key
+    from inferscale_kv.layout import fact_token_ids, memory_header_ids
+    from precompute_worker.encoder import EncodingGroup, FactEncoder, FactKey, FactSpec
+
+    encoder = FactEncoder.from_pretrained(model_dir, "float32", device)
+    header_ids, fact_ids = memory_header_ids(tokenizer), fact_token_ids(tokenizer, LOCAL_FACT)
+    header, fact = encoder.encode([
+        EncodingGroup([], [FactSpec(FactKey("_profile", "header", 1), header_ids, 0)]),
+        EncodingGroup(list(header_ids), [FactSpec(FactKey(user_id, "f0", 1), fact_ids, len(header_ids))])])
+    fact_content = content_id(profile.profile_id, fact.context_ids, fact_ids)
+    retrieved = pb.RetrievedFact(fact_id="f0", version=1, text=LOCAL_FACT, score=1.0, rank=1, kv_ready=True,
+                                 token_ids=fact_ids, content_id=fact_content)
+    header_content = header_key(profile.profile_id, header_ids).content_id
+    del encoder
+    return [retrieved], header_content, {header_content: header, fact_content: fact}
+
+
+def main(mode: str, args: list[str]) -> None:
+    import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -44,29 +86,52 @@ def main(memory_service: str, model_dir: str, metrics_url: str, user_id: str) ->
     from inference_node.node_cache import CachedKv
     from inference_node.plan import PlanSigner, plan_secret_from_env, provable_prefix
     from inference_node.settings import NodeSettings
-    from inferscale.v1 import memory_pb2 as pb
-    from inferscale.v1 import memory_pb2_grpc
     from inferscale_kv.layout import memory_header_ids, memory_header_text
     from inferscale_kv.model_profile import build_model_profile
 
+    if mode == "service":
+        memory_service, model_dir, metrics_url, user_id = args[:4]
+        dtype = "float32"
+    else:
+        memory_service, metrics_url, user_id = UNREACHABLE, "", "gpu-user"
+        model_dir, dtype = args[0], (args[1] if len(args) > 1 else "float32")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    profile = build_model_profile(model_dir, tokenizer, "float32", 0)
+    profile = build_model_profile(Path(model_dir), tokenizer, "float32", 0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    local_kv = {}
+    if mode == "service":
+        facts, header_content_id = retrieved_from_service(memory_service, profile, user_id)
+    else:
+        facts, header_content_id, local_kv = encoded_here(model_dir, tokenizer, profile, user_id, device)
     settings = NodeSettings(memory_service=memory_service, node_id="engine-scenario", model_dir=model_dir,
-                            profile=profile.as_dict())
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=1024, seed=0, enable_prefix_caching=False,
-              kv_transfer_config=KVTransferConfig(**kv_transfer_config(settings)))
+                            profile=profile.as_dict(), fetch_timeout_s=5.0)
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=1024, seed=0, enable_prefix_caching=False,
+              gpu_memory_utilization=0.3, kv_transfer_config=KVTransferConfig(**kv_transfer_config(settings)))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
     worker = get_kv_transfer_group()._worker
 
-    with grpc.insecure_channel(memory_service) as channel:
-        retrieved = memory_pb2_grpc.MemoryServiceStub(channel).RetrieveAndStage(pb.RetrieveAndStageRequest(
-            user_id=user_id, query=QUESTION, top_k=5, profile=pb.KvProfile(**profile.as_dict()), node_id="scenario"))
     header_ids = memory_header_ids(tokenizer)
-    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, profile.profile_id, user_id)
+    plan = plan_memory(facts, header_ids, header_content_id, profile.profile_id, user_id)
     prompt_ids = list(tokenizer.encode(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                                        add_special_tokens=False))
     signer = PlanSigner(plan_secret_from_env())
     sampling = dict(max_tokens=8, temperature=0, logprobs=1)
+    fetch_attempts = [0]
+    fetch = worker._stager._fetch
+
+    def counted_fetch(*fetch_args, **fetch_kwargs):
+        fetch_attempts[0] += 1
+        return fetch(*fetch_args, **fetch_kwargs)
+
+    worker._stager._fetch = counted_fetch
+    refusals = [0]
+    fail = worker._fail
+
+    def counted_fail(*fail_args, **fail_kwargs):
+        refusals[0] += 1
+        return fail(*fail_args, **fail_kwargs)
+
+    worker._fail = counted_fail
 
     def generate(with_plan: bool) -> dict:
         extra = {"kv_transfer_params": signer.kv_transfer_params(plan.plan)} if with_plan else None
@@ -81,27 +146,57 @@ def main(memory_service: str, model_dir: str, metrics_url: str, user_id: str) ->
 
     _, chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id)
     chunk_keys = [chunk.key for chunk in chunks]
-    result = {"kv_facts": plan.kv_facts, "text": generate(False), "chunks": len(chunk_keys)}
+    result = {"mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),
+              "model_runner_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""), "text": generate(False)}
+
+    def resident() -> list[bool]:
+        return [scheduler._directory.is_resident(key) for key in chunk_keys]
 
     def step(name: str) -> None:
-        before = fetch_calls(metrics_url)
+        attempts, before = fetch_attempts[0], service_fetch_calls(metrics_url) if metrics_url else 0.0
+        refused = refusals[0]
         result[name] = generate(True)
-        result[name]["fetches"] = fetch_calls(metrics_url) - before
-        result[name]["resident_after"] = [scheduler._directory.is_resident(key) for key in chunk_keys]
+        result[name]["fetch_attempts"] = fetch_attempts[0] - attempts
+        if metrics_url:
+            result[name]["fetches"] = service_fetch_calls(metrics_url) - before
+        result[name]["loads_refused"] = refusals[0] - refused
+        result[name]["resident_after"] = resident()
 
-    step("cold")
+    def make_resident() -> None:
+        """Local mode: the encoded KV in the worker's cache and the directory, as a finished fetch leaves them."""
+        for chunk in chunks:
+            encoded = local_kv[chunk.key.content_id]
+            worker._cache.put(chunk.key, CachedKv(encoded.keys.to(device, getattr(torch, dtype)).contiguous(),
+                                                  encoded.values.to(device, getattr(torch, dtype)).contiguous(),
+                                                  tuple(chunk.token_ids)))
+        scheduler._directory.start_fetch(((c.key, len(c.token_ids)) for c in chunks), set())
+        scheduler._directory.settle(chunk_keys, True)
+
+    if mode == "service":
+        step("cold")
+    else:
+        make_resident()
+        step("warm")
     worker._cache.remove(chunk_keys)  # the worker lost them; the directory still says resident
-    result["lost_resident_before"] = [scheduler._directory.is_resident(key) for key in chunk_keys]
+    result["lost_resident_before"] = resident()
     step("lost")
-    step("refetch")
+    if mode == "service":
+        step("refetch")
+    else:
+        make_resident()  # as after a fetch
     fact = chunks[-1]
     entry = worker._cache.get(fact.key, fact.token_ids)
-    shorter = fact.token_ids[:-3]
     worker._cache.remove([fact.key])
-    worker._cache.put(fact.key, CachedKv(entry.keys[:, :-3].contiguous(), entry.values[:, :-3].contiguous(), shorter))
+    worker._cache.put(fact.key, CachedKv(entry.keys[:, :-3].contiguous(), entry.values[:, :-3].contiguous(),
+                                         tuple(fact.token_ids[:-3])))
+    result["stale_resident_before"] = resident()
     step("stale")
+    if mode == "local":
+        worker._cache.remove(chunk_keys)
+        scheduler._directory.drop(chunk_keys)
+        step("fetch_fails")
     print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(sys.argv[1], sys.argv[2:])

@@ -23,7 +23,7 @@ def scenario(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory) -
     metrics = f"http://127.0.0.1:{node_memory_service.metrics_port}/metrics"
     work_dir = tmp_path_factory.mktemp("engine")
     result = subprocess.run(
-        [sys.executable, "-m", "tests.inference_node.engine_scenario", node_memory_service.address,
+        [sys.executable, "-m", "tests.inference_node.engine_scenario", "service", node_memory_service.address,
          str(tiny_llama_dir), metrics, USER], capture_output=True, text=True, timeout=900, cwd=".",
         env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(work_dir),
              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -54,5 +54,10 @@ def test_a_chunk_the_directory_holds_resident_but_the_worker_lacks_is_recomputed
 
 
 def test_a_stale_entry_shorter_than_its_chunk_is_refused_and_recomputed(scenario) -> None:
-    assert scenario["stale"]["fetches"] == 0
+    assert all(scenario["stale_resident_before"]) and scenario["stale"]["fetches"] == 0
     _equals_text(scenario["stale"], scenario["text"])
+
+
+def test_every_refused_load_is_reported_to_vllm(scenario) -> None:
+    assert scenario["cold"]["loads_refused"] == 0 and scenario["refetch"]["loads_refused"] == 0
+    assert scenario["lost"]["loads_refused"] == 1 and scenario["stale"]["loads_refused"] == 1
