@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from inference_node.launcher import InferenceNodeProcess
+from inference_node.plan import PLAN_SECRET_ENV
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
@@ -79,6 +81,15 @@ def random_kv(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     shape = (4, num_tokens, 2, 64)
     return torch.randn(shape, generator=generator) * 2, torch.randn(shape, generator=generator) * 2
+
+
+@pytest.fixture
+def node_plan_secret(monkeypatch) -> bytes:
+    """The plan secret `python -m inference_node` hands its processes, for tests that build the middleware
+    themselves."""
+    secret = secrets.token_bytes(32)
+    monkeypatch.setenv(PLAN_SECRET_ENV, secret.hex())
+    return secret
 
 
 @pytest.fixture(scope="module")

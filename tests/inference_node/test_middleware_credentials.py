@@ -63,14 +63,16 @@ def _serve_one(guarded_service, tiny_llama_dir, monkeypatch) -> tuple[dict, dict
     return received[0], summary
 
 
-def test_with_the_node_token_the_users_facts_reach_the_prompt(guarded_service, tiny_llama_dir, monkeypatch):
+def test_with_the_node_token_the_users_facts_reach_the_prompt(guarded_service, tiny_llama_dir, monkeypatch,
+                                                            node_plan_secret):
     monkeypatch.setenv(NODE_TOKEN_ENV, TOKENS["nodes"])
     forwarded, summary = _serve_one(guarded_service, tiny_llama_dir, monkeypatch)
     assert "error" not in summary and summary["facts"] == 1
     assert "Pimenta" in forwarded["messages"][0]["content"]
 
 
-def test_without_a_token_the_request_is_answered_without_memory(guarded_service, tiny_llama_dir, monkeypatch):
+def test_without_a_token_the_request_is_answered_without_memory(guarded_service, tiny_llama_dir, monkeypatch,
+                                                               node_plan_secret):
     monkeypatch.delenv(NODE_TOKEN_ENV, raising=False)
     forwarded, summary = _serve_one(guarded_service, tiny_llama_dir, monkeypatch)
     assert summary["error"] == "memory service: UNAUTHENTICATED"

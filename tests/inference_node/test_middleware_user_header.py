@@ -40,7 +40,7 @@ def _post(middleware: MemoryMiddleware, body: dict, headers: list[tuple[bytes, b
 
 
 @pytest.fixture
-def guarded(monkeypatch) -> tuple[MemoryMiddleware, RecordingApp]:
+def guarded(monkeypatch, node_plan_secret) -> tuple[MemoryMiddleware, RecordingApp]:
     settings = NodeSettings(memory_service="127.0.0.1:1", node_id="n", model_dir="/nonexistent", profile=PROFILE,
                             user_header="x-authenticated-user")
     monkeypatch.setenv(SETTINGS_ENV, settings.to_json())
