@@ -170,6 +170,12 @@ class KvIndex:
 
     # ------------------------------------------------------------------ stored KV
 
+    def lease_holds(self, key: KvKey, lease_id: str) -> bool:
+        """Whether `lease_id` still holds the job for key's fact at key's version."""
+        return bool(self._query(
+            "SELECT 1 FROM jobs WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? AND lease_id = ?",
+            (key.profile_id, key.user_id, key.fact_id, key.version, lease_id)))
+
     def record_stored(self, key: KvKey, token_ids: Sequence[int], nbytes: int, lease_id: str | None) -> bool:
         """Marks KV stored for key, in one transaction with taking its job off the queue: with a `lease_id`, only
         while that lease still holds the job for key's version (else nothing changes and False is returned);

@@ -66,22 +66,31 @@ class TieredKvStore:
 
     def put(self, key: KvKey, blob: bytes, token_ids: Sequence[int], lease_id: str | None) -> bool:
         """Stores durably and records it in the index, then fills the memory tiers that admit it. With a
-        `lease_id` only while that lease still holds the job for key's version; False (nothing stored) if not."""
+        `lease_id` only while that lease still holds the job for key's version; False if not, and then no tier
+        is touched (a late or repeated completion never disturbs what is stored). A key the index lists already
+        names these bytes: its file is not rewritten."""
         with self._lock:
-            if not self._put_in(self.disk, key, blob):
+            if lease_id is not None and not self.index.lease_holds(key, lease_id):
+                return False
+            listed = self._is_listed(key)
+            if not listed and not self._put_in(self.disk, key, blob):
                 raise OSError(f"disk tier refused {len(blob)} bytes (budget {self.disk.budget_bytes})")
             if not self.index.record_stored(key, token_ids, len(blob), lease_id):
-                self.disk.remove(key)
+                if not listed:
+                    self.disk.remove(key)
                 return False
             for tier in self.tiers[:-1]:
                 self._put_in(tier, key, blob)
         return True
 
+    def _is_listed(self, key: KvKey) -> bool:
+        entry = self.index.entry(key.profile_id, key.user_id, key.fact_id)
+        return entry is not None and entry.key == key
+
     def get(self, key: KvKey) -> bytes | None:
         """The blob stored under exactly `key`, if the index lists it."""
         with self._lock:
-            entry = self.index.entry(key.profile_id, key.user_id, key.fact_id)
-            if entry is None or entry.key != key:
+            if not self._is_listed(key):
                 return None
             for depth, tier in enumerate(self.tiers):
                 blob = tier.get(key)

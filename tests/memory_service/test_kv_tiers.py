@@ -188,6 +188,22 @@ def test_a_completion_counts_only_under_the_lease_that_holds_the_job(tmp_path) -
     assert list(store.disk.keys()) == [] and store.index.all_entry_keys() == []
 
 
+def test_a_late_completion_of_a_stored_key_leaves_its_blob_servable(tmp_path) -> None:
+    """Regression: a lease that expired and was completed by another worker, completing late with the same key
+    (the same context, so the same content id), removed the stored file while the index kept listing it."""
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=10 * BLOB_SIZE))
+    store.index.add_profile("kvp-test", {})
+    store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
+    late_lease, _, _ = store.index.lease("kvp-test", 10, 0.0)  # expires at once: the job is leased again
+    lease_id, _, jobs = store.index.lease("kvp-test", 10, 60)
+    assert len(jobs) == 1
+    blob = _blob(_key(0))
+    assert store.put(_key(0), blob, [1, 2, 3, 4], lease_id=lease_id)
+    assert not store.put(_key(0), blob, [1, 2, 3, 4], lease_id=late_lease)
+    assert not store.put(_key(0), blob, [1, 2, 3, 4], lease_id=lease_id)  # a retried completion
+    assert store.get(_key(0)) == blob and store.disk.contains(_key(0))
+
+
 def test_disk_tier_drops_files_of_an_older_layout_at_start(tmp_path) -> None:
     old = tmp_path / "kvp-test" / "u1" / "fact-0.v1.kv"
     old.parent.mkdir(parents=True)
