@@ -42,6 +42,7 @@ class InferScaleScheduler:
         self._plans: dict[str, tuple[int, tuple[ChunkLoad, ...], str]] = {}  # request id -> (end, chunks, user)
         self._pending: dict[str, LoadSpec] = {}  # decided by update_state_after_alloc, not yet sent
         self._inflight: dict[str, LoadSpec] = {}  # async loads sent, not yet reported finished
+        self._failed_inflight: set[str] = set()  # of those, the ones some rank reported failed blocks for
         self._recent_sync: OrderedDict[str, LoadSpec] = OrderedDict()
         self._stats = LoadStats()
 
@@ -126,10 +127,15 @@ class InferScaleScheduler:
         of failed synchronous loads."""
         invalid = set(connector_output.invalid_block_ids or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
+        # Under tensor parallelism a rank's failed blocks arrive in the step that rank reports them, the request
+        # as finished only once every rank did: a failure seen earlier is remembered until the finish.
+        self._failed_inflight.update(req_id for req_id, spec in self._inflight.items()
+                                     if not invalid.isdisjoint(spec.block_ids))
         for req_id in {*(connector_output.finished_recving or ()), *failed}:
             spec = self._inflight.pop(req_id, None)
             if spec is not None:
-                loaded = req_id not in failed and invalid.isdisjoint(spec.block_ids)
+                loaded = req_id not in failed and req_id not in self._failed_inflight
+                self._failed_inflight.discard(req_id)
                 self._directory.settle([chunk.key for chunk in spec.chunks], loaded)
                 if not loaded:
                     self._plans[req_id] = _NO_PLAN  # vLLM prefills it; a re-admitted request claims nothing

@@ -98,6 +98,18 @@ def test_a_failed_async_load_leaves_its_chunks_cold_and_its_request_unclaimed(sc
     assert scheduler.get_num_new_matched_tokens(_request("r2"), 0)[1] is True
 
 
+def test_a_load_failed_on_one_rank_stays_failed_when_the_last_rank_reports_it_finished(scheduler) -> None:
+    """Regression: under tensor parallelism vLLM passes a rank's failed blocks on in the step that rank reports
+    them, but the request as finished only once every rank did; the finished step carried no failed blocks, so
+    the chunks became resident and the next load ran synchronously against a rank that lacks them."""
+    request = _request("r1")
+    _send(scheduler, request)
+    scheduler.update_connector_output(SimpleNamespace(finished_recving=set(), invalid_block_ids={1}))
+    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
+    assert scheduler.get_num_new_matched_tokens(_request("r2"), 0)[1] is True  # still cold: async again
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # vLLM recomputes it
+
+
 def test_engine_start_refuses_pipeline_parallelism_and_unsupported_rotary() -> None:
     check_supported(_vllm_config())
     with pytest.raises(ValueError, match="pipeline parallelism"):
