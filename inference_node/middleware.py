@@ -68,9 +68,12 @@ def parse_memory(memory: Any, settings: NodeSettings) -> tuple[str, int, str]:
     return user_id, top_k, mode
 
 
-def _header(scope: Scope, name: str) -> str | None:
+def _single_header(scope: Scope, name: str) -> str | None:
+    """The header's value when the request carries it exactly once, else None (absent or repeated: a repeated
+    copy may be the client's, left in place by a gateway that appended its own)."""
     wanted = name.lower().encode()
-    return next((value.decode("latin-1") for key, value in scope.get("headers", []) if key.lower() == wanted), None)
+    values = [value.decode("latin-1") for key, value in scope.get("headers", []) if key.lower() == wanted]
+    return values[0] if len(values) == 1 else None
 
 
 def _text_of(content: Any) -> str:
@@ -143,11 +146,11 @@ class MemoryMiddleware:
         except MemoryRequestError as exc:
             await _send_error(send, 400, str(exc))
             return
-        if self.settings.user_header and _header(scope, self.settings.user_header) != user_id:
+        if self.settings.user_header and _single_header(scope, self.settings.user_header) != user_id:
             # The gateway in front of the node authenticated the caller and named its user in this header: a
             # client cannot reach any other user's memory, whatever its body says.
             await _send_error(send, 403, f"memory.user_id: must be the user named by the {self.settings.user_header}"
-                                         " header")
+                                         " header, sent exactly once")
             return
         REQUESTS.labels(mode=mode).inc()
         summary: dict[str, Any] = {"mode": mode}

@@ -64,3 +64,13 @@ def test_a_request_naming_the_gateway_users_own_memory_is_served(guarded):
     middleware, app = guarded
     assert _post(middleware, _request("acme/maya"), [(b"X-Authenticated-User", b"acme/maya")]) == 200
     assert len(app.bodies) == 1 and "memory" not in app.bodies[0]
+
+
+def test_a_request_carrying_the_user_header_twice_is_refused(guarded):
+    """Regression: the first copy was believed; a gateway that appends its own header (Envoy's default) instead of
+    replacing the client's left the client's copy first, naming any user it liked."""
+    middleware, app = guarded
+    headers = [(b"x-authenticated-user", b"acme/maya"), (b"x-authenticated-user", b"globex/ana")]
+    assert _post(middleware, _request("acme/maya"), headers) == 403
+    assert _post(middleware, _request("acme/maya"), [(b"x-authenticated-user", b"acme/maya")] * 2) == 403
+    assert app.bodies == []
