@@ -68,17 +68,27 @@ class InferScaleConnectorMetadata(KVConnectorMetadata):
     evictions: tuple[KvKey, ...] = ()  # node-cache entries to drop before this step's loads
 
 
-def check_supported(vllm_config: VllmConfig) -> None:
-    """Refuses, at engine start, configurations under which injected KV would be wrong."""
+def check_supported(vllm_config: VllmConfig, kv_cache_config: Any = None) -> None:
+    """Refuses, at engine start, configurations under which injected KV would be wrong or a failed load fatal."""
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("InferScaleConnector: pipeline parallelism is not supported (use tensor parallelism)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError("InferScaleConnector: speculative decoding is not supported (a draft model's attention "
+                         "layers would get no memory KV)")
     check_rotary_supported(vllm_config.model_config.hf_config)
+    if kv_cache_config is not None:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        specs = [type(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+        if specs != [FullAttentionSpec]:
+            raise ValueError("InferScaleConnector: needs one KV cache group of full attention, got "
+                             f"{[spec.__name__ for spec in specs]} (sliding-window or hybrid models are not supported)")
 
 
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        check_supported(vllm_config)
+        check_supported(vllm_config, kv_cache_config)
         from inference_node.settings import NodeSettings
 
         settings = NodeSettings.from_mapping(vllm_config.kv_transfer_config.kv_connector_extra_config or {})

@@ -1,8 +1,8 @@
 """Chunked RoPE composition: rotate stored pre-RoPE keys to their final positions with the model's own tables.
 
 The tables come from the model's own rotary embedding module (transformers), so rope scaling (llama3, yarn,
-linear, dynamic at its base length) is whatever the model uses. Rotation is the "rotate half" (NeoX) form
-that Llama-family models and vLLM's Llama implementation use.
+linear) is whatever the model uses; scalings that change with the sequence length are refused. Rotation is the
+"rotate half" (NeoX) form that Llama-family models and vLLM's Llama implementation use.
 """
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ import torch
 
 # Model types whose attention applies full-width rotate-half (NeoX) RoPE to every key, as composed here.
 NEOX_LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+# Rope scalings whose position tables are fixed (the same at every sequence length) and computed alike by
+# transformers and vLLM. "dynamic" NTK is not: transformers rescales with the sequence length, vLLM once.
+SCALED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 class UnsupportedRotary(ValueError):
@@ -27,8 +32,12 @@ def check_rotary_supported(config) -> None:
     if partial not in (None, 1, 1.0):
         raise UnsupportedRotary(f"partial_rotary_factor={partial}: only full-width rotary embeddings are supported")
     scaling = getattr(config, "rope_scaling", None) or {}
-    if "mrope_section" in scaling or scaling.get("rope_type", scaling.get("type")) in ("mrope", "default_mrope"):
+    if "mrope_section" in scaling:
         raise UnsupportedRotary("multimodal rotary embeddings (mrope) are not supported")
+    rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+    if rope_type not in SCALED_ROPE_TYPES:
+        raise UnsupportedRotary(f"rope type {rope_type!r}: supported are {', '.join(sorted(SCALED_ROPE_TYPES))} "
+                                "(transformers' tables and vLLM's must agree at every position)")
 
 
 class RotaryTables:

@@ -31,7 +31,7 @@ def _model_config(**overrides) -> SimpleNamespace:
 def _vllm_config(pipeline_parallel_size: int = 1, **model_overrides) -> SimpleNamespace:
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                            pipeline_parallel_size=pipeline_parallel_size),
-                           model_config=_model_config(**model_overrides))
+                           model_config=_model_config(**model_overrides), speculative_config=None)
 
 
 @pytest.fixture
@@ -122,6 +122,26 @@ def test_engine_start_refuses_pipeline_parallelism_and_unsupported_rotary() -> N
     other_family.model_config.hf_config.model_type = "gpt_neox"
     with pytest.raises(UnsupportedRotary, match="gpt_neox"):
         check_supported(other_family)
+    check_supported(_vllm_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    with pytest.raises(UnsupportedRotary, match="'dynamic'"):  # transformers rescales per length, vLLM once
+        check_supported(_vllm_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_engine_start_refuses_speculative_decoding_and_other_kv_cache_layouts() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    drafted = _vllm_config()
+    drafted.speculative_config = SimpleNamespace(method="eagle")
+    with pytest.raises(ValueError, match="speculative decoding"):
+        check_supported(drafted)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64)
+    layout = lambda *specs: SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+    check_supported(_vllm_config(), layout(full))
+    for specs in ((full, window), (window,)):
+        with pytest.raises(ValueError, match="one KV cache group of full attention"):
+            check_supported(_vllm_config(), layout(*specs))
 
 
 GIB = 1 << 30
