@@ -38,7 +38,7 @@ class TieredKvStore:
         self.index = KvIndex(root / "index.sqlite", max_attempts=max_attempts)
         cuda = torch.cuda.is_available()
         self.disk = DiskTier(root / "blobs", budgets.disk_bytes, LruEviction(), AdmitAll())
-        self.disk.on_evict = self.index.forget_entry
+        self.disk.on_evict = self._forget_evicted
         self.disk.on_corrupt = self._requeue_corrupt
         memory_tiers: list[KvTier] = []
         if cuda and budgets.gpu_bytes:
@@ -52,6 +52,12 @@ class TieredKvStore:
                 self.disk.pin(key)
         self.corrupt_blobs = 0
         self._lock = threading.RLock()
+
+    def _forget_evicted(self, key: KvKey) -> None:
+        """The durable copy is gone: the index stops listing it and no memory tier keeps an unservable copy."""
+        self.index.forget_entry(key)
+        for tier in self.tiers[:-1]:
+            tier.remove(key)
 
     def _requeue_corrupt(self, key: KvKey) -> None:
         self.corrupt_blobs += 1

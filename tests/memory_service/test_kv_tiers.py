@@ -131,11 +131,12 @@ def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
     assert store.corrupt_blobs == 1
 
 
-def test_disk_eviction_forgets_the_index_entry(tmp_path) -> None:
-    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=2 * BLOB_SIZE))
+def test_disk_eviction_forgets_the_index_entry_and_every_tiers_copy(tmp_path) -> None:
+    store = TieredKvStore(tmp_path, KvStoreBudgets(host_bytes=100 * BLOB_SIZE, disk_bytes=2 * BLOB_SIZE))
     for index in range(3):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
     assert store.index.entry("kvp-test", "u1", "fact-0") is None
+    assert not any(tier.contains(_key(0)) for tier in store.tiers)  # no unservable copy left in memory
     assert store.index.entry("kvp-test", "u1", "fact-2").key == _key(2)
 
 
