@@ -76,18 +76,20 @@ class InferScaleScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         end, chunks, _ = self._plan(request)
         claim = max(0, end - num_computed_tokens)
-        return claim, claim > 0 and not self._all_resident(chunks)
+        return claim, claim > 0 and not self._all_resident(_from(chunks, num_computed_tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             self._pending.pop(request.request_id, None)
             return
         end, chunks, user_id = self._plan(request)
+        start = end - num_external_tokens
+        chunks = _from(chunks, start)  # those before `start` are in vLLM's prefix cache: not staged, not needed
         load_async = not self._all_resident(chunks)
         # An async request is not scheduled this step: its blocks are known only here.
         block_ids = tuple(blocks.get_block_ids()[0]) if load_async else ()
-        self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, end - num_external_tokens,
-                                                     end, block_ids, load_async)
+        self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, start, end, block_ids,
+                                                     load_async)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> InferScaleConnectorMetadata:
         metadata = InferScaleConnectorMetadata()
@@ -109,6 +111,9 @@ class InferScaleScheduler:
             if is_resumed and new_block_ids is not None:
                 # A resumed request gets all of its blocks anew: its memory prefix is loaded again.
                 metadata.loads.append(spec.with_blocks(new_block_ids[0]))
+            else:  # vLLM asks for loads only on admission and on resumption: this would be a new vLLM behaviour
+                logger.error("InferScale: request %s was scheduled with a pending load but neither new nor resumed "
+                             "(no block ids to write); its claimed tokens are not loaded", req_id)
         protected = {chunk.key for spec in metadata.loads for chunk in spec.chunks}
         for spec in metadata.loads:
             if spec.load_async:
@@ -157,6 +162,11 @@ class InferScaleScheduler:
             return None
         stats, self._stats = self._stats, LoadStats()
         return stats
+
+
+def _from(chunks: tuple[ChunkLoad, ...], start: int) -> tuple[ChunkLoad, ...]:
+    """The chunks that hold prompt positions at or after `start`."""
+    return tuple(chunk for chunk in chunks if chunk.offset + len(chunk.token_ids) > start)
 
 
 def _bytes_per_token_per_rank(model_config: Any, tensor_parallel_size: int) -> int:

@@ -90,6 +90,19 @@ def test_a_chunk_counts_resident_only_once_its_async_load_finished(scheduler) ->
     assert scheduler.get_num_new_matched_tokens(_request("r3"), 0) == (len(HEADER + FACT), False)
 
 
+def test_chunks_already_in_vllms_prefix_cache_are_neither_staged_nor_needed_resident(scheduler) -> None:
+    request = _request("r1")
+    assert scheduler.get_num_new_matched_tokens(request, len(HEADER)) == (len(FACT), True)
+    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), len(FACT))
+    output = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+    (spec,) = scheduler.build_connector_meta(output).loads
+    assert [chunk.key.fact_id for chunk in spec.chunks] == ["f"] and (spec.start, spec.end) == (4, 7)
+    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
+    # The fact is resident now, the header never was: a request with the header cached locally loads at once.
+    assert scheduler.get_num_new_matched_tokens(_request("r2"), len(HEADER)) == (len(FACT), False)
+    assert scheduler.get_num_new_matched_tokens(_request("r3"), 0)[1] is True
+
+
 def test_a_failed_async_load_leaves_its_chunks_cold_and_its_request_unclaimed(scheduler) -> None:
     request = _request("r1")
     _send(scheduler, request)
