@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device memory for cached fact KV")
     parser.add_argument("--memory-top-k", type=int, default=int(_env("memory_top_k", 20)),
                         help="facts per request when the request does not say")
+    parser.add_argument("--recompute-tail-facts", type=int, default=int(_env("recompute_tail_facts", 0)),
+                        help="kv mode: prefill the m facts nearest the question as text after the injected ones")
     parser.add_argument("--retrieve-timeout-s", type=float, default=float(_env("retrieve_timeout_s", 2.0)),
                         help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     parser.add_argument("--fetch-timeout-s", type=float, default=float(_env("fetch_timeout_s", 10.0)),
@@ -73,6 +75,8 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
     args, vllm_args = build_parser().parse_known_args(argv)
     if not args.model or not Path(args.model).is_dir():
         raise SystemExit(f"inference_node: --model: {args.model!r} is not a local model folder")
+    if args.recompute_tail_facts < 0:
+        raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
     from transformers import AutoTokenizer
 
     model_dir = Path(args.model)
@@ -80,8 +84,9 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
                                   args.context_window, args.model_name)
     settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
-                            default_top_k=args.memory_top_k, retrieve_timeout_s=args.retrieve_timeout_s,
-                            fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path, user_header=args.user_header)
+                            default_top_k=args.memory_top_k, recompute_tail_facts=args.recompute_tail_facts,
+                            retrieve_timeout_s=args.retrieve_timeout_s, fetch_timeout_s=args.fetch_timeout_s,
+                            load_stats_path=args.load_stats_path, user_header=args.user_header)
     transfer = kv_transfer_config(settings)
     vllm_args = within_gpu_memory_budget(vllm_args, args.node_cache_mb << 20, cuda_device_bytes())
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

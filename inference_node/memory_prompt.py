@@ -29,6 +29,15 @@ def by_rank_descending(fact: pb.RetrievedFact) -> int:
     return -fact.rank
 
 
+def by_creation(fact: pb.RetrievedFact) -> tuple[int, int, str]:
+    """A user's facts in the order they were first stored: the same relative order in every request, so that
+    consecutive text prompts of a user share their longest common prefix (vLLM's prefix cache can hit)."""
+    return fact.created_at.seconds, fact.created_at.nanos, fact.fact_id
+
+
+FACT_ORDERS: dict[str, Callable[[pb.RetrievedFact], Any]] = {"ranked": by_rank_descending, "created": by_creation}
+
+
 def order_facts(facts: list[pb.RetrievedFact],
                 key: Callable[[pb.RetrievedFact], Any] = by_rank_descending) -> list[pb.RetrievedFact]:
     """Prompt order: facts with KV first, then the rest (prefilled), each part sorted by `key` (default: best
@@ -43,15 +52,21 @@ def order_facts(facts: list[pb.RetrievedFact],
 
 
 def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_content_id: str, profile_id: str,
-                user_id: str, key: Callable[[pb.RetrievedFact], Any] = by_rank_descending) -> MemoryPlan:
+                user_id: str, key: Callable[[pb.RetrievedFact], Any] = by_rank_descending,
+                recompute_tail_facts: int = 0) -> MemoryPlan:
     """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order. Without header KV
-    (`header_content_id` empty) nothing can be injected: every fact is text."""
+    (`header_content_id` empty) nothing can be injected: every fact is text.
+
+    `recompute_tail_facts` = m leaves the last m facts with KV (in the ranked order, the m nearest the question)
+    out of the plan: vLLM prefills them after the injected ones, so they attend to the header and every fact
+    before them. The prompt is the same whatever m is; only what is injected changes."""
     if not header_content_id:
-        facts = [pb.RetrievedFact(fact_id=f.fact_id, version=f.version, text=f.text, score=f.score, rank=f.rank)
-                 for f in facts]
+        facts = [pb.RetrievedFact(fact_id=f.fact_id, version=f.version, text=f.text, score=f.score, rank=f.rank,
+                                  created_at=f.created_at) for f in facts]
     ordered = order_facts(facts, key)
     block = "".join(fact.text.strip() + "\n" for fact in ordered)
     injected = [(f.fact_id, f.version, f.content_id, list(f.token_ids)) for f in ordered if has_kv(f)]
+    injected = injected[: max(len(injected) - recompute_tail_facts, 0)]
     plan = build_plan(profile_id, user_id, header_content_id, header_ids, injected)
     tokens = len(header_ids) + sum(len(t) for *_, t in injected) if header_content_id else 0
     return MemoryPlan(ordered, block, plan, tokens, len(injected))

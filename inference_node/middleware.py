@@ -11,7 +11,12 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
   get an `x-inferscale-memory` header with a JSON summary. If the memory service cannot be reached the request
   is answered without memory, and the header says so. `memory` on any other route is a 400.
 
-    "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off"}
+    "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off",
+               "order": "ranked" | "created", "recompute_tail_facts": m}
+
+order "ranked" (default) puts the best fact last, nearest the question; "created" keeps a user's facts in the order
+they were stored, so that text prompts of consecutive requests share a prefix vLLM's prefix cache can reuse.
+recompute_tail_facts (default: the node's --recompute-tail-facts) prefills the last m facts of kv mode as text.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_prompt import plan_memory, system_content
+from inference_node.memory_prompt import FACT_ORDERS, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
@@ -53,7 +59,25 @@ class MemoryRequestError(ValueError):
     """The `memory` field is malformed (HTTP 400)."""
 
 
-def parse_memory(memory: Any, settings: NodeSettings) -> tuple[str, int, str]:
+@dataclass(frozen=True)
+class MemoryRequest:
+    """A request's `memory` field, validated."""
+
+    user_id: str
+    top_k: int
+    mode: str  # kv | text | off
+    order: str  # FACT_ORDERS: ranked (best last) | created (stable per user)
+    recompute_tail_facts: int  # kv mode: facts nearest the question prefilled as text
+
+
+def _int_field(memory: dict, name: str, default: int, low: int, high: int) -> int:
+    value = memory.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise MemoryRequestError(f"memory.{name}: must be an integer in [{low}, {high}]")
+    return value
+
+
+def parse_memory(memory: Any, settings: NodeSettings) -> MemoryRequest:
     if not isinstance(memory, dict):
         raise MemoryRequestError("memory: must be an object")
     user_id = memory.get("user_id")
@@ -62,10 +86,12 @@ def parse_memory(memory: Any, settings: NodeSettings) -> tuple[str, int, str]:
     mode = memory.get("mode", "kv")
     if mode not in MODES:
         raise MemoryRequestError(f"memory.mode: must be one of {', '.join(MODES)}")
-    top_k = memory.get("top_k", settings.default_top_k)
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= settings.max_top_k:
-        raise MemoryRequestError(f"memory.top_k: must be an integer in [1, {settings.max_top_k}]")
-    return user_id, top_k, mode
+    order = memory.get("order", "ranked")
+    if not isinstance(order, str) or order not in FACT_ORDERS:
+        raise MemoryRequestError(f"memory.order: must be one of {', '.join(FACT_ORDERS)}")
+    top_k = _int_field(memory, "top_k", settings.default_top_k, 1, settings.max_top_k)
+    tail = _int_field(memory, "recompute_tail_facts", settings.recompute_tail_facts, 0, settings.max_top_k)
+    return MemoryRequest(user_id, top_k, mode, order, tail)
 
 
 def _single_header(scope: Scope, name: str) -> str | None:
@@ -140,22 +166,22 @@ class MemoryMiddleware:
             await _send_error(send, 400, f"memory: supported on {' and '.join(sorted(MEMORY_PATHS))} only, not {path}")
             return
         try:
-            user_id, top_k, mode = parse_memory(payload.pop("memory"), self.settings)
+            memory = parse_memory(payload.pop("memory"), self.settings)
             if path == "/v1/completions" and not isinstance(payload.get("prompt", ""), str):
                 raise MemoryRequestError("prompt: with memory, must be one string (not token ids or a list)")
         except MemoryRequestError as exc:
             await _send_error(send, 400, str(exc))
             return
-        if self.settings.user_header and _single_header(scope, self.settings.user_header) != user_id:
+        if self.settings.user_header and _single_header(scope, self.settings.user_header) != memory.user_id:
             # The gateway in front of the node authenticated the caller and named its user in this header: a
             # client cannot reach any other user's memory, whatever its body says.
             await _send_error(send, 403, f"memory.user_id: must be the user named by the {self.settings.user_header}"
                                          " header, sent exactly once")
             return
-        REQUESTS.labels(mode=mode).inc()
-        summary: dict[str, Any] = {"mode": mode}
-        if mode != "off":
-            await self._add_memory(payload, path, user_id, top_k, mode, summary)
+        REQUESTS.labels(mode=memory.mode).inc()
+        summary: dict[str, Any] = {"mode": memory.mode}
+        if memory.mode != "off":
+            await self._add_memory(payload, path, memory, summary)
         summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
 
         async def send_with_summary(message: Message) -> None:
@@ -165,14 +191,13 @@ class MemoryMiddleware:
 
         await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send_with_summary)
 
-    async def _add_memory(self, payload: dict, path: str, user_id: str, top_k: int, mode: str,
-                          summary: dict[str, Any]) -> None:
+    async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, summary: dict[str, Any]) -> None:
         self._prepare()
         query = query_of(payload, path) or " "
         started = time.perf_counter()
         try:
             response = await self._stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-                user_id=user_id, query=query[:2000], top_k=top_k, profile=self._profile,
+                user_id=memory.user_id, query=query[:2000], top_k=memory.top_k, profile=self._profile,
                 node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s,
                 metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
@@ -182,7 +207,8 @@ class MemoryMiddleware:
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)
         plan = plan_memory(list(response.facts), self._header_ids, response.header_content_id,
-                           self.settings.profile_id, user_id)
+                           self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
+                           memory.recompute_tail_facts if memory.mode == "kv" else 0)
         if path == "/v1/chat/completions":
             messages = payload.get("messages", [])
             client_system = ""
@@ -194,13 +220,13 @@ class MemoryMiddleware:
             payload["prompt"] = self._header_text + plan.block_text + (payload.get("prompt") or "")
             # The header text carries the template's BOS: a second one would shift every position.
             payload["add_special_tokens"] = False
-        summary.update(facts=len(plan.facts), stage_ms=round(stage_seconds * 1000, 2))
+        summary.update(facts=len(plan.facts), stage_ms=round(stage_seconds * 1000, 2), order=memory.order)
         if not response.header_content_id:
             summary.update(header_kv="missing")
-        if mode == "kv" and response.header_content_id:
+        if memory.mode == "kv" and response.header_content_id:
             payload["kv_transfer_params"] = self._signer.kv_transfer_params(plan.plan)
             payload["cache_salt"] = self._signer.cache_salt(plan.plan)
-        if mode == "kv":
+        if memory.mode == "kv":
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
             FACTS_PLACED.labels(how="text").inc(len(plan.facts) - plan.kv_facts)

@@ -276,6 +276,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
                 fact_id=r.fact.fact_id, version=r.fact.version, text=r.fact.text, score=r.score, rank=rank,
                 token_ids=entry.token_ids if entry else [], kv_ready=entry is not None,
                 kv_bytes=entry.nbytes if entry else 0, content_id=entry.key.content_id if entry else "",
+                created_at=_timestamp(r.fact.created_at_us),
             ))
         self.metrics.kv_lookups.inc(len(results))
         self.metrics.kv_ready.inc(len(entries))

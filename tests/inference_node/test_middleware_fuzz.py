@@ -1,4 +1,4 @@
-"""Fuzzing the OpenAI request's `memory` field (hypothesis): any JSON value is either a valid (user, top_k, mode)
+"""Fuzzing the OpenAI request's `memory` field (hypothesis): any JSON value is either a valid memory request
 or a MemoryRequestError naming the field (HTTP 400), never another exception (HTTP 500)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inference_node.memory_prompt import FACT_ORDERS
 from inference_node.middleware import MODES, MemoryRequestError, parse_memory
 from inference_node.settings import NodeSettings
 
@@ -18,7 +19,9 @@ json_values = st.recursive(
     max_leaves=12)
 memory_fields = json_values | st.fixed_dictionaries(
     {}, optional={"user_id": json_values | st.text(max_size=300), "top_k": json_values | st.integers(),
-                  "mode": json_values | st.sampled_from([*MODES, "KV", ""])})
+                  "mode": json_values | st.sampled_from([*MODES, "KV", ""]),
+                  "order": json_values | st.sampled_from([*FACT_ORDERS, "Ranked"]),
+                  "recompute_tail_facts": json_values | st.integers()})
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
@@ -26,9 +29,10 @@ memory_fields = json_values | st.fixed_dictionaries(
 def test_any_memory_value_parses_or_is_a_400_naming_the_memory_field(memory):
     memory = json.loads(json.dumps(memory, allow_nan=True))  # exactly what a request body can carry
     try:
-        user_id, top_k, mode = parse_memory(memory, SETTINGS)
+        parsed = parse_memory(memory, SETTINGS)
     except MemoryRequestError as error:
         assert str(error).startswith("memory")
         return
-    assert isinstance(user_id, str) and user_id
-    assert 1 <= top_k <= SETTINGS.max_top_k and mode in MODES
+    assert isinstance(parsed.user_id, str) and parsed.user_id
+    assert 1 <= parsed.top_k <= SETTINGS.max_top_k and parsed.mode in MODES and parsed.order in FACT_ORDERS
+    assert 0 <= parsed.recompute_tail_facts <= SETTINGS.max_top_k

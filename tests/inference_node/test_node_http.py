@@ -134,6 +134,29 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     assert max(abs(a - b) for a, b in zip(text.logprobs, kv.logprobs)) > 1e-3  # facts really are independent
 
 
+def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node_stub, tiny_llama_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    header_ids = memory_header_ids(tokenizer)
+    memory = {"user_id": "many", "mode": "kv", "top_k": 6}
+    tail = complete(node, QUESTION, {**memory, "recompute_tail_facts": 2})
+    retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+        user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
+    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many")
+    prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
+                           add_special_tokens=False)["input_ids"]
+    injected = [list(f.token_ids) for f in plan.facts[:4]]  # the two facts nearest the question are prefilled
+    injected_length = len(header_ids) + sum(map(len, injected))
+    assert tail.summary["kv_facts"] == 4 and tail.summary["injectable_tokens"] == injected_length
+    assert tail.usage["prompt_tokens_details"]["cached_tokens"] == injected_length
+    reference = _independent_fact_reference(tiny_llama_dir, header_ids, injected, prompt_ids[injected_length:],
+                                            tail.tokens)
+    assert max(abs(a - b) for a, b in zip(tail.logprobs, reference)) <= 1e-3
+    # A tail of every fact injects the header alone, which is exact: the text answer.
+    everything = complete(node, QUESTION, {**memory, "recompute_tail_facts": 6})
+    assert everything.summary["kv_facts"] == 0 and everything.summary["injectable_tokens"] == len(header_ids)
+    _assert_same_generation(everything, complete(node, QUESTION, {**memory, "mode": "text"}))
+
+
 def test_random_kv_changes_the_output(node) -> None:
     exact = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
     randomized = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})
