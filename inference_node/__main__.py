@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device memory for cached fact KV")
     parser.add_argument("--memory-top-k", type=int, default=int(_env("memory_top_k", 20)),
                         help="facts per request when the request does not say")
+    parser.add_argument("--synchronous-loads", choices=("auto", "on", "off"),
+                        default=_env("synchronous_loads", "auto"),
+                        help="load node-cache-resident KV synchronously; auto: on for CPU, off on CUDA (vLLM 0.26 "
+                        "recomputes a refused synchronous load wrongly there)")
     parser.add_argument("--recompute-tail-facts", type=int, default=int(_env("recompute_tail_facts", 0)),
                         help="kv mode: prefill the m facts nearest the question as text after the injected ones")
     parser.add_argument("--retrieve-timeout-s", type=float, default=float(_env("retrieve_timeout_s", 2.0)),
@@ -82,13 +86,16 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
     model_dir = Path(args.model)
     profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), args.kv_dtype,
                                   args.context_window, args.model_name)
+    device_bytes = cuda_device_bytes()
+    synchronous_loads = device_bytes is None if args.synchronous_loads == "auto" else args.synchronous_loads == "on"
     settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
                             default_top_k=args.memory_top_k, recompute_tail_facts=args.recompute_tail_facts,
-                            retrieve_timeout_s=args.retrieve_timeout_s, fetch_timeout_s=args.fetch_timeout_s,
-                            load_stats_path=args.load_stats_path, user_header=args.user_header)
+                            synchronous_loads=synchronous_loads, retrieve_timeout_s=args.retrieve_timeout_s,
+                            fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path,
+                            user_header=args.user_header)
     transfer = kv_transfer_config(settings)
-    vllm_args = within_gpu_memory_budget(vllm_args, args.node_cache_mb << 20, cuda_device_bytes())
+    vllm_args = within_gpu_memory_budget(vllm_args, args.node_cache_mb << 20, device_bytes)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                *vllm_args, "--kv-transfer-config", json.dumps(transfer),
                "--middleware", "inference_node.middleware.MemoryMiddleware", "--enable-prompt-tokens-details"]

@@ -35,6 +35,7 @@ _RECENT_SYNC_LOADS = 512
 class InferScaleScheduler:
     def __init__(self, vllm_config: VllmConfig, settings: NodeSettings) -> None:
         self.profile_id = settings.profile_id
+        self._synchronous_loads = settings.synchronous_loads
         self._signer = PlanSigner(plan_secret_from_env())
         tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
@@ -70,13 +71,14 @@ class InferScaleScheduler:
         logger.warning("InferScale: request %s: load plan refused (%s); its prompt is prefilled",
                        request.request_id, why)
 
-    def _all_resident(self, chunks: tuple[ChunkLoad, ...]) -> bool:
-        return all(self._directory.is_resident(chunk.key) for chunk in chunks)
+    def _loads_async(self, chunks: tuple[ChunkLoad, ...]) -> bool:
+        """Synchronous only where allowed and every chunk is resident: it never fetches, so it cannot wait."""
+        return not (self._synchronous_loads and all(self._directory.is_resident(chunk.key) for chunk in chunks))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         end, chunks, _ = self._plan(request)
         claim = max(0, end - num_computed_tokens)
-        return claim, claim > 0 and not self._all_resident(_from(chunks, num_computed_tokens))
+        return claim, claim > 0 and self._loads_async(_from(chunks, num_computed_tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -85,7 +87,7 @@ class InferScaleScheduler:
         end, chunks, user_id = self._plan(request)
         start = end - num_external_tokens
         chunks = _from(chunks, start)  # those before `start` are in vLLM's prefix cache: not staged, not needed
-        load_async = not self._all_resident(chunks)
+        load_async = self._loads_async(chunks)
         # An async request is not scheduled this step: its blocks are known only here.
         block_ids = tuple(blocks.get_block_ids()[0]) if load_async else ()
         self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, start, end, block_ids,

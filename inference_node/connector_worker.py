@@ -85,9 +85,15 @@ class InferScaleWorker:
                 self._fail(spec, "see the traceback above")
 
     def _start_async(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
+        """Stages at once what the node cache holds (done by this step's get_finished), else fetches on a thread."""
         try:
             layers = self._attention_layers(forward_context)
             device = _layer_cache(next(iter(layers.values()))).device
+            try:
+                self._inflight[spec.request_id] = (spec, _done_future(self._stage(spec, device, may_fetch=False)))
+                return
+            except NotResident:
+                pass
             if self._fetcher is None:
                 self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferscale-fetch")
             compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -217,6 +223,12 @@ class InferScaleWorker:
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
         self._stats.add("tokens_loaded", count)
         self._mark("write")
+
+
+def _done_future(result: Any) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _failed_future(error: Exception) -> Future:

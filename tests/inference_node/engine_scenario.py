@@ -2,7 +2,7 @@
 process, reachable by the test) through what the node cache can go wrong with, and prints one JSON object.
 
     python -m tests.inference_node.engine_scenario service MEMORY_SERVICE MODEL_DIR METRICS_URL USER_ID
-    python -m tests.inference_node.engine_scenario local MODEL_DIR [DTYPE]      # a GPU check: no memory service
+    python -m tests.inference_node.engine_scenario local MODEL_DIR [DTYPE [sync|async]]  # a GPU check: no service
 
 Steps, each compared with the same prompt prefilled as text:
 - cold (service): the directory knows nothing, the load goes async and fetches;
@@ -14,7 +14,8 @@ Steps, each compared with the same prompt prefilled as text:
 - stale: the worker's entry for the fact is replaced by a shorter one (other token ids): refused, recomputed;
 - fetch_fails (local): the chunks are cold and the memory service unreachable: the async load fails, recomputed.
 The local mode exercises vLLM's failure path for synchronous loads (kv_load_failure_policy="recompute") on the
-stack it runs on, e.g. vLLM on a GPU with Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1).
+stack it runs on, e.g. vLLM on a GPU with Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1); with `async` the node's
+synchronous loads are off (NodeSettings.synchronous_loads), so the same failures take the async path.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main(mode: str, args: list[str]) -> None:
     else:
         memory_service, metrics_url, user_id = UNREACHABLE, "", "gpu-user"
         model_dir, dtype = args[0], (args[1] if len(args) > 1 else "float32")
+    synchronous_loads = (args[2] if mode == "local" and len(args) > 2 else "sync") == "sync"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     profile = build_model_profile(Path(model_dir), tokenizer, "float32", 0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,7 +106,7 @@ def main(mode: str, args: list[str]) -> None:
     else:
         facts, header_content_id, local_kv = encoded_here(model_dir, tokenizer, profile, user_id, device)
     settings = NodeSettings(memory_service=memory_service, node_id="engine-scenario", model_dir=model_dir,
-                            profile=profile.as_dict(), fetch_timeout_s=5.0)
+                            profile=profile.as_dict(), fetch_timeout_s=5.0, synchronous_loads=synchronous_loads)
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=1024, seed=0, enable_prefix_caching=False,
               gpu_memory_utilization=0.3, kv_transfer_config=KVTransferConfig(**kv_transfer_config(settings)))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
@@ -147,6 +149,7 @@ def main(mode: str, args: list[str]) -> None:
     _, chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id)
     chunk_keys = [chunk.key for chunk in chunks]
     result = {"mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),
+              "synchronous_loads": synchronous_loads,
               "model_runner_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""), "text": generate(False)}
 
     def resident() -> list[bool]:

@@ -123,6 +123,27 @@ def test_a_load_failed_on_one_rank_stays_failed_when_the_last_rank_reports_it_fi
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # vLLM recomputes it
 
 
+def test_without_synchronous_loads_resident_chunks_load_on_the_async_path(monkeypatch) -> None:
+    monkeypatch.setenv(PLAN_SECRET_ENV, SECRET.hex())
+    settings = NodeSettings(memory_service="-", node_id="n", model_dir="-", profile={"profile_id": PROFILE},
+                            node_cache_mb=1, synchronous_loads=False)
+    scheduler = InferScaleScheduler(_vllm_config(), settings)
+    _send(scheduler, _request("r1"))
+    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
+    assert scheduler.get_num_new_matched_tokens(_request("r2"), 0) == (len(HEADER + FACT), True)
+
+
+@pytest.mark.parametrize(("flag", "device_bytes", "synchronous"), [
+    ("auto", None, True), ("auto", 80 * (1 << 30), False), ("on", 80 * (1 << 30), True), ("off", None, False)])
+def test_synchronous_loads_are_off_on_cuda_unless_asked_for(tiny_llama_dir, monkeypatch, flag, device_bytes,
+                                                             synchronous) -> None:
+    import inference_node.__main__ as node_main
+
+    monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: device_bytes)
+    _, settings = node_main.vllm_command(["--model", str(tiny_llama_dir), "--synchronous-loads", flag])
+    assert settings.synchronous_loads is synchronous
+
+
 def test_engine_start_refuses_pipeline_parallelism_and_unsupported_rotary() -> None:
     check_supported(_vllm_config())
     with pytest.raises(ValueError, match="pipeline parallelism"):
