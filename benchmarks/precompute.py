@@ -87,7 +87,9 @@ def main() -> None:
     else:
         turns, jobs = synthetic_conversation(args.turns, args.facts)
     turns_by_user = {"bench": turns}
-    encoder.encode(GroupBuilder(tokenizer, header, 0, encoder.max_tokens_per_forward).shared(jobs[:4], turns_by_user))
+    positions = encoder.config.max_position_embeddings
+    encoder.encode(GroupBuilder(tokenizer, header, 0, positions, encoder.max_tokens_per_forward).shared(
+        jobs[:4], turns_by_user))
 
     variants = [("w=0", 0, "shared"), (f"w={args.window} naive", args.window, "naive"),
                 (f"w={args.window} shared", args.window, "shared")]
@@ -96,7 +98,7 @@ def main() -> None:
     rows = []
     encoded_w0 = None
     for name, window, mode in variants:
-        builder = GroupBuilder(tokenizer, header, window, encoder.max_tokens_per_forward)
+        builder = GroupBuilder(tokenizer, header, window, positions, encoder.max_tokens_per_forward)
         groups = builder.shared(jobs, turns_by_user) if mode == "shared" else builder.naive(jobs, turns_by_user)
         tokens = sum(group.num_tokens for group in groups)
         elapsed, encoded = _time(encoder, groups)

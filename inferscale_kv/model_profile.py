@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class ModelProfile:
     recipe: str
     recipe_version: int
     context_window: int
+    max_context_tokens: int
 
     @property
     def profile_id(self) -> str:
@@ -45,7 +47,8 @@ class ModelProfile:
 
 def build_model_profile(model_dir: Path, tokenizer, kv_dtype: str, context_window: int,
                         model_name: str | None = None) -> ModelProfile:
-    """Hashes the folder's config and weights (content) and tokenizer files, and the memory header tokens."""
+    """Hashes the folder's config and weights (content) and tokenizer files, and the memory header tokens; the
+    window cap is the model's position limit (config.json's max_position_embeddings)."""
     weights = [p for p in model_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES]
     config = [p for p in (model_dir / "config.json", model_dir / "generation_config.json") if p.exists()]
     if not weights or not config:
@@ -60,4 +63,5 @@ def build_model_profile(model_dir: Path, tokenizer, kv_dtype: str, context_windo
         recipe=RECIPE,
         recipe_version=RECIPE_VERSION,
         context_window=context_window,
+        max_context_tokens=int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 0)),
     )

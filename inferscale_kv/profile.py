@@ -23,11 +23,12 @@ class KvProfileLike(Protocol):
     recipe: str
     recipe_version: int
     context_window: int
+    max_context_tokens: int
 
 
 # Every field that changes a fact's KV bytes, in the order the profile id hashes them.
 PROFILE_FIELDS = ("model", "model_hash", "kv_dtype", "tokenizer_hash", "header_hash", "recipe", "recipe_version",
-                  "context_window")
+                  "context_window", "max_context_tokens")
 
 
 def profile_fields(profile: KvProfileLike) -> dict:

@@ -17,6 +17,8 @@ def validate_profile(profile: KvProfileLike, field: str = "profile") -> str:
         raise InvalidArgument(f"{field}.recipe_version", "must be at least 1")
     if profile.context_window < ALL_PRECEDING_TURNS:
         raise InvalidArgument(f"{field}.context_window", "must be >= 0, or -1 for all preceding turns")
+    if profile.max_context_tokens < 0:
+        raise InvalidArgument(f"{field}.max_context_tokens", "must be >= 0 (0: no cap)")
     expected = kv_profile_id(profile)
     if profile.profile_id != expected:
         raise InvalidArgument(f"{field}.profile_id", f"does not match the profile's fields (expected {expected})")

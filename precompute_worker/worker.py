@@ -50,7 +50,7 @@ class PrecomputeWorker:
         self.max_facts = max_facts
         self.lease_seconds = lease_seconds
         self.shared_encoding = shared_encoding
-        self.groups = GroupBuilder(tokenizer, header_ids, profile.context_window,
+        self.groups = GroupBuilder(tokenizer, header_ids, profile.context_window, profile.max_context_tokens,
                                    max_group_tokens=encoder.max_tokens_per_forward)
         self.stats = WorkerStats()
 

@@ -21,7 +21,7 @@ def _training_text() -> list[str]:
 
 
 def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab_size: int = 2000,
-                     bos_on_encode: bool = False) -> Path:
+                     bos_on_encode: bool = False, max_positions: int = 4096) -> Path:
     """Writes config, fp32 weights and tokenizer to `directory` (a plain HF folder) and returns it.
     `bos_on_encode`: the tokenizer adds <s> when asked for special tokens, as Llama-3's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -45,7 +45,7 @@ def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab
 
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_positions,
         rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
         torch_dtype="float32",
     )

@@ -17,6 +17,7 @@ class Profile:
     recipe: str = "chunked-rope-cwe"
     recipe_version: int = 1
     context_window: int = 0
+    max_context_tokens: int = 8192
     profile_id: str = ""
 
 
@@ -24,7 +25,7 @@ def test_changing_any_byte_relevant_field_changes_the_profile_id() -> None:
     reference = kv_profile_id(Profile())
     changes = dict(
         model="other", model_hash="m2", kv_dtype="fp8_e4m3", tokenizer_hash="t2", header_hash="h2",
-        recipe="other", recipe_version=2, context_window=20,
+        recipe="other", recipe_version=2, context_window=20, max_context_tokens=4096,
     )
     for field, value in changes.items():
         assert kv_profile_id(dataclasses.replace(Profile(), **{field: value})) != reference, field
@@ -43,4 +44,11 @@ def test_unknown_kv_dtype_is_rejected() -> None:
     profile = Profile(kv_dtype="int3")
     profile.profile_id = kv_profile_id(profile)
     with pytest.raises(InvalidArgument, match="kv_dtype"):
+        validate_profile(profile)
+
+
+def test_a_negative_window_cap_is_rejected() -> None:
+    profile = Profile(max_context_tokens=-1)
+    profile.profile_id = kv_profile_id(profile)
+    with pytest.raises(InvalidArgument, match="max_context_tokens"):
         validate_profile(profile)

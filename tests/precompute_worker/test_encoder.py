@@ -88,7 +88,7 @@ def test_keys_rotated_to_a_later_position_match_a_shifted_encoding(tiny_llama_di
 
 def test_shared_grouping_keeps_facts_together_when_the_context_alone_exceeds_the_group_cap(tiny_llama_dir) -> None:
     _, tokenizer = _load(tiny_llama_dir)
-    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), -1, max_group_tokens=40)
+    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), -1, max_context_tokens=0, max_group_tokens=40)
     jobs = [FactJob(FactKey("alice", f"f{i}", 1), f"fact {i}", TURNS[-1].turn_id) for i in range(6)]
     groups = builder.shared(jobs, {"alice": TURNS})
     assert len(groups[0].context_ids) > 40  # all turns before the last one
@@ -99,7 +99,8 @@ def test_shared_grouping_keeps_facts_together_when_the_context_alone_exceeds_the
 @pytest.mark.parametrize("context_window", [0, 2, 3, -1])
 def test_shared_conversation_encoding_equals_naive_per_fact_encoding(tiny_llama_dir, context_window) -> None:
     model, tokenizer = _load(tiny_llama_dir)
-    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), context_window, max_group_tokens=400)
+    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), context_window, max_context_tokens=0,
+                           max_group_tokens=400)
     jobs = [FactJob(FactKey(user, f"f{i}", 1), f"{user} fact {i}: likes item {i * 7}", TURNS[i].turn_id)
             for user in ("alice", "bob") for i in range(1, 9)]
     jobs.append(FactJob(FactKey("alice", "orphan", 1), "A fact without a source turn.", ""))
@@ -114,3 +115,52 @@ def test_shared_conversation_encoding_equals_naive_per_fact_encoding(tiny_llama_
         assert naive[key].spec.prefix_length == shared[key].spec.prefix_length
         assert (naive[key].keys - shared[key].keys).abs().max() <= TOLERANCE
         assert (naive[key].values - shared[key].values).abs().max() <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def few_positions_dir(tmp_path_factory):
+    """The tiny Llama with 96 positions: shorter than header + every turn of TURNS + a fact."""
+    from tests.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("few-positions"), max_positions=96)
+
+
+@pytest.mark.parametrize("context_window", [-1, 8])
+def test_a_window_is_capped_from_its_oldest_end_to_the_models_positions(few_positions_dir, context_window) -> None:
+    from inferscale_kv.model_profile import build_model_profile
+
+    model, tokenizer = _load(few_positions_dir)
+    profile = build_model_profile(few_positions_dir, tokenizer, "float32", context_window)
+    assert profile.max_context_tokens == 96  # recorded in the profile (and so in its id)
+    header = memory_header_ids(tokenizer)
+    builder = GroupBuilder(tokenizer, header, context_window, profile.max_context_tokens, max_group_tokens=400)
+    jobs = [FactJob(FactKey("alice", f"f{i}", 1), f"fact {i}: likes item {i * 7}", TURNS[i].turn_id)
+            for i in range(1, 9)]
+    turn_ids = [turn_token_ids(tokenizer, turn.speaker, turn.text) for turn in TURNS]
+    assert len(header) + sum(map(len, turn_ids[:8])) > 96  # uncapped, the late windows would not fit
+    encoder = FactEncoder(model)
+    naive = {e.spec.key: e for e in encoder.encode(builder.naive(jobs, {"alice": TURNS}))}
+    shared = {e.spec.key: e for e in encoder.encode(builder.shared(jobs, {"alice": TURNS}))}
+    dropped = 0
+    for index, job in enumerate(jobs, start=1):
+        fact = naive[job.key]
+        assert len(fact.context_ids) + len(fact.spec.token_ids) <= 96
+        window = fact.context_ids[len(header):]
+        kept = next(start for start in range(index + 1)
+                    if [t for ids in turn_ids[start:index] for t in ids] == list(window))
+        dropped += kept > 0
+        if kept:  # only as many turns as needed: one more would not have fitted
+            assert len(header) + sum(map(len, turn_ids[kept - 1 : index])) + len(fact.spec.token_ids) > 96
+        assert (shared[job.key].keys - fact.keys).abs().max() <= TOLERANCE
+    assert dropped > 0
+
+
+def test_a_capped_window_starts_on_a_stride_so_that_nearby_facts_share_it(tiny_llama_dir) -> None:
+    _, tokenizer = _load(tiny_llama_dir)
+    builder = GroupBuilder(tokenizer, [0] * 40, -1, max_context_tokens=500, max_group_tokens=400)
+    lengths = [10] * 100  # the budget (500 - 40 - 10) holds 45 turns
+    assert builder.capped_start(0, 30, lengths, 10) == 0  # fits whole
+    assert [builder.capped_start(0, source, lengths, 10) for source in (90, 91, 93)] == [48, 48, 48]
+    assert builder.capped_start(0, 47, lengths, 10) == 16
+    assert builder.capped_start(0, 47, lengths, 420) == 43  # the stride would leave no turn: exactly 4 kept
+    assert builder.capped_start(0, 90, lengths, 600) == 90  # a fact past the cap keeps no turn
