@@ -34,5 +34,9 @@ def synthetic_facts(count: int, seed: int, clauses: int = 1) -> list[str]:
 
 
 def synthetic_queries(count: int, seed: int) -> list[str]:
+    """`count` distinct questions (at most len(NAMES) * len(OBJECTS)), the same for the same seed."""
     rng = random.Random(seed)
-    return [f"When did {rng.choice(NAMES)} go to {rng.choice(OBJECTS)}?" for _ in range(count)]
+    queries: dict[str, None] = {}
+    while len(queries) < min(count, len(NAMES) * len(OBJECTS)):
+        queries[f"When did {rng.choice(NAMES)} go to {rng.choice(OBJECTS)}?"] = None
+    return list(queries)

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 from benchmarks.dummy_model import build_dummy_model
 from benchmarks.serve import (
     arrival_offsets,
+    cold_node_cache_mb,
     connector_phases,
     engine_ttft_ms,
     hit_rate,
@@ -71,11 +72,15 @@ vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0
 inferscale_connector_node_cache_hits_total{engine="0",model_name="m"} 4.0
 inferscale_connector_node_cache_hits_total{engine="1",model_name="m"} 2.0
 inferscale_connector_loads_created{engine="0",model_name="m"} 1.7e9
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 40.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
 """
 
 
 def test_counters_sum_label_sets_and_take_vllm_ttft_sum_and_count_but_not_buckets_or_created() -> None:
-    assert parse_counters(METRICS_TEXT) == {"ttft_sum": 0.75, "ttft_count": 3.0, "node_cache_hits": 6.0}
+    assert parse_counters(METRICS_TEXT) == {"ttft_sum": 0.75, "ttft_count": 3.0, "node_cache_hits": 6.0,
+                                            "prefix_cache_queries": 40.0, "prefix_cache_hits": 30.0}
 
 
 def test_engine_ttft_is_the_mean_of_the_histogram_delta_and_nan_without_requests() -> None:
@@ -108,15 +113,44 @@ def test_locomo_workload_replays_conversations_round_robin_with_their_first_fact
     assert workload.questions[workload.users[1]] == ["What did Bo adopt?", "When did Ana start pottery?"]
 
 
-def test_report_prints_every_contender_and_the_kv_text_ratios(capsys) -> None:
-    def row(scale: float) -> dict:
-        latency = {"p50": 10.0 * scale, "p90": 12.0 * scale, "p99": 13.0 * scale, "mean": 11.0 * scale}
-        return {"requests": 4, "query_to_first_token_ms": latency, "ttft_ms": latency, "tpot_ms": latency,
-                "engine_ttft_ms": {"mean": 8.0 * scale}, "throughput_rps": 1.0 / scale, "mean_prompt_tokens": 100,
-                "mean_injected_tokens": 90 if scale == 1 else 0, "node_cache_hit_rate": 1.0 if scale == 1 else None}
+def _row(scale: float, hit_rate: float | None = None, fetched: float = 0.0) -> dict:
+    latency = {"p50": 10.0 * scale, "p90": 12.0 * scale, "p99": 13.0 * scale, "mean": 11.0 * scale}
+    return {"requests": 4, "query_to_first_token_ms": latency, "ttft_ms": latency, "tpot_ms": latency,
+            "engine_ttft_ms": {"mean": 8.0 * scale}, "throughput_rps": 1.0 / scale, "mean_prompt_tokens": 100,
+            "mean_cached_tokens": 90 if scale == 1 else 0, "node_cache_hit_rate": hit_rate,
+            "prefix_cache_hit_rate": 0.5, "facts_fetched_per_request": fetched}
 
-    report({"kv": {"50": row(1)}, "text": {"50": row(4)}, "off": {"50": row(0.5)}}, [50], "test")
+
+def test_report_prints_every_contender_and_kvs_ratios_to_text_and_text_stable(capsys) -> None:
+    report({"kv": {"50": _row(1, 1.0)}, "text": {"50": _row(4)}, "text-stable": {"50": _row(2)},
+            "off": {"50": _row(0.5)}, "kv-tail2": {"50": _row(1.1, 1.0)}}, "test")
     out = capsys.readouterr().out
-    assert "k = 50 facts" in out and "Request throughput (req/s)" in out
-    assert "query-to-first-token p50 0.25" in out and "engine TTFT (vLLM mean) 0.25" in out
+    assert "k = 50 facts" in out and "Request throughput (req/s)" in out and "Prefix-cache hit rate" in out
+    assert "kv/text: query-to-first-token p50 0.25" in out and "engine TTFT (vLLM mean) 0.25" in out
     assert "throughput 4.00x" in out
+    assert "kv/text-stable: query-to-first-token p50 0.50" in out and "throughput 2.00x" in out
+    assert "kv-tail2: engine TTFT 8.8 ms, +10.0% over kv" in out
+
+
+def test_report_of_a_cold_node_cache_prices_a_miss_against_the_warm_users(capsys) -> None:
+    report({"kv": {"20": _row(3, 0.25, fetched=15.0)}, "text": {"20": _row(4)}, "kv-warm": {"20": _row(1, 1.0)}},
+           "cold", node_cache_mb=96)
+    out = capsys.readouterr().out
+    assert "cold node cache (96 MiB): miss rate 0.75, 15.0 facts fetched per request" in out
+    assert "+20.0 ms against the warm users (1.33 ms per fetched fact)" in out
+
+
+def test_jobs_do_not_repeat_a_users_question_until_its_questions_run_out() -> None:
+    workload = synthetic_workload(2, 5, clauses=1)
+    jobs = workload.jobs(64, random.Random(0))
+    per_user = {user: [q for u, q in jobs if u == user] for user in workload.users}
+    assert all(len(set(asked[:32])) == 32 for asked in per_user.values())  # 32 questions each
+    assert {user for user, _ in workload.jobs(4, random.Random(0), users=workload.users[1:])} == {workload.users[1]}
+    warm = workload.warm_up_questions(workload.users[0], 10, seed=3)
+    assert len(warm) == 10 and not set(warm) & set(workload.questions[workload.users[0]])
+
+
+def test_the_cold_node_cache_holds_one_and_a_half_times_the_warm_users_kv(tiny_llama_dir) -> None:
+    workload = synthetic_workload(4, 10, clauses=1)
+    one = cold_node_cache_mb(tiny_llama_dir, "float32", workload, 1)
+    assert one >= 1 and cold_node_cache_mb(tiny_llama_dir, "float32", workload, 4) >= 3 * one
