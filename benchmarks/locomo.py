@@ -1,7 +1,8 @@
 """LoCoMo quality evaluation: what serving memory as injected KV costs against the same facts as text.
 
-    python -m benchmarks.locomo [--data ../shared/data/locomo/locomo-dev6.json] [--conversations 2]
-        [--per-category 6] [--k 50] [--windows 0 5 20 50 -1] [--fp8-window 50] [--order-window 50]
+    python -m benchmarks.locomo [--data ../shared/data/locomo/locomo-dev6.json] [--conversations 6]
+        [--per-category 6] [--k 50] [--windows 0 5 20 50 -1] [--tails 1 2 5 10] [--tail-window 20]
+        [--fp8-window 50] [--order-window 50]
 
 Ingests LoCoMo conversations (turns, and observation facts with their source turns) through the real gRPC API
 into a real memory service, runs the real precompute worker once per encoding (Context-Window Encoding with
@@ -10,8 +11,12 @@ w preceding turns, -1 = all; float32 and fp8 storage), then for each question of
 - retrieval recall@k of the evidence turns (a retrieved fact covers its source turn), k = 5, 10, 20, 50;
 - the gold answer's teacher-forced NLL per token under `text` (the serving prompt prefilled) and under `kv`
   (the same prompt with its memory prefix injected: the node's own staging and Chunked-RoPE compose over the
-  KV fetched from the memory service); their difference is the fidelity gap;
-- greedy answers under both, scored by token F1 against the gold answer.
+  KV fetched from the memory service, all but the last m facts with a recomputed tail of m); lower is better;
+- greedy answers under both, scored by token F1 against the gold answer;
+- per variant and category, 95% paired bootstrap intervals of kv - text for NLL and F1 (the same questions,
+  resampled together), so that a difference is read with its noise.
+Text is scored once per exact prompt (token ids): variants whose prompts are equal share it. With w > 0, kv sees
+conversation turns text never sees: kv - text is then what the encoding gains or loses, not a fidelity gap.
 The prompt is the inference node's (its middleware's memory block, best fact last, the connector's provable
 prefix); the model runs in this process (transformers, fp32), so NLLs are exact and comparable. Results are
 cached per (variant, question) in the output folder, so an interrupted run resumes; the memory service keeps
@@ -52,12 +57,14 @@ RECALL_AT = (5, 10, 20, 50)
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of serving the memory: its encoding (profile) and the facts' order in the prompt."""
+    """One way of serving the memory: its encoding (profile), the facts' order in the prompt and how many of the
+    facts nearest the question are prefilled instead of injected (the node's --recompute-tail-facts)."""
 
     name: str
     context_window: int
     kv_dtype: str = "float32"
     order: str = "ranked"  # ranked: best fact last (the node's layout); chronological: by source turn
+    tail: int = 0
 
     @property
     def profile_key(self) -> tuple[int, str]:
@@ -68,8 +75,12 @@ def window_name(window: int) -> str:
     return "w=all" if window == -1 else f"w={window}"
 
 
-def build_variants(windows: Sequence[int], fp8_window: int | None, order_window: int | None) -> list[Variant]:
+def build_variants(windows: Sequence[int], fp8_window: int | None, order_window: int | None,
+                   tails: Sequence[int] = (), tail_window: int | None = None) -> list[Variant]:
+    """Each window with no tail, then each tail m at `tail_window`, then the fp8 and chronological variants."""
     variants = [Variant(window_name(w), w) for w in windows]
+    if tail_window is not None:
+        variants += [Variant(f"{window_name(tail_window)} tail={m}", tail_window, tail=m) for m in tails if m]
     if fp8_window is not None:
         variants.append(Variant(f"{window_name(fp8_window)} fp8", fp8_window, "fp8_e4m3"))
     if order_window is not None:
@@ -126,6 +137,21 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def paired_bootstrap(differences: Sequence[float], resamples: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the mean of paired differences (questions resampled with replacement); NaNs
+    without differences."""
+    import numpy as np
+
+    if not differences:
+        return float("nan"), float("nan")
+    values = np.asarray(differences, dtype=float)
+    picks = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
+    means = values[picks].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
+
+
 # ---------------------------------------------------------------------------------------------- the model side
 
 class Evaluator:
@@ -152,11 +178,12 @@ class Evaluator:
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
     def prompt(self, facts: list[pb.RetrievedFact], header_content_id: str, question: str, profile_id: str,
-               user_id: str, order_key):
-        """The node's prompt (its middleware's memory block and load plan) with the facts in `order_key` order."""
+               user_id: str, order_key, tail: int = 0):
+        """The node's prompt (its middleware's memory block and load plan) with the facts in `order_key` order and
+        the last `tail` of them left to prefill."""
         from inference_node.memory_prompt import plan_memory, system_content
 
-        plan = plan_memory(facts, self.header_ids, header_content_id, profile_id, user_id, order_key)
+        plan = plan_memory(facts, self.header_ids, header_content_id, profile_id, user_id, order_key, tail)
         messages = [{"role": "system", "content": system_content(plan.block_text, "")},
                     {"role": "user", "content": f"{ANSWER_INSTRUCTION}\n{question}"}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -289,7 +316,8 @@ def order_key(order: str, seq_of_fact: dict[str, int]):
 
 def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversation: LocomoConversation,
                    question: LocomoQuestion, variant: Variant, k: int, text_scores: dict) -> dict:
-    """One (variant, question) result: retrieval recall, text and kv NLL of the gold answer, greedy answers."""
+    """One (variant, question) result: retrieval recall, text and kv NLL of the gold answer, greedy answers.
+    `text_scores` holds the question's text scores per exact prompt (token ids)."""
     user_id, profile_id = conversation.sample_id, profile.profile_id
     response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id=user_id, query=question.question, top_k=k, profile=profile, node_id="locomo-eval"))
@@ -299,10 +327,11 @@ def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversati
     seq_of_fact = {fact_id: seq_of_turn.get(source, 0) for fact_id, source in source_of_fact.items()}
     ranked_sources = [source_of_fact.get(fact.fact_id, "") for fact in sorted(facts, key=lambda f: f.rank)]
     prompt_ids, plan = evaluator.prompt(facts, response.header_content_id, question.question, profile_id, user_id,
-                                        order_key(variant.order, seq_of_fact))
-    if variant.order not in text_scores:
-        text_scores[variant.order] = evaluator.score(prompt_ids, question.answer)
-    text_nll, text_answer = text_scores[variant.order]
+                                        order_key(variant.order, seq_of_fact), variant.tail)
+    prompt_key = tuple(prompt_ids)
+    if prompt_key not in text_scores:
+        text_scores[prompt_key] = evaluator.score(prompt_ids, question.answer)
+    text_nll, text_answer = text_scores[prompt_key]
     end, past = evaluator.injected_past(prompt_ids, plan, profile_id, user_id)
     kv_nll, kv_answer = evaluator.score(prompt_ids, question.answer, past, end)
     return {"variant": variant.name, "question_id": question.question_id, "category": question.category,
@@ -318,7 +347,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from memory_service.launcher import MemoryServiceProcess
     conversations = load_locomo(args.data)[: args.conversations]
     questions = {c.sample_id: stratified_subset(c.questions, args.per_category, args.seed) for c in conversations}
-    variants = build_variants(args.windows, args.fp8_window, args.order_window)
+    variants = build_variants(args.windows, args.fp8_window, args.order_window, args.tails, args.tail_window)
     model_dir = (args.model or build_smollm2()).resolve()
     args.output.mkdir(parents=True, exist_ok=True)
     cache = ResultCache(args.output / "per_question.jsonl")
@@ -337,7 +366,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             work = [(c, q) for c in conversations for q in questions[c.sample_id]]
             with tqdm(total=len(work) * len(variants), desc="questions x variants", unit="eval") as progress:
                 for conversation, question in work:
-                    text_scores: dict[str, tuple[float, str]] = {}  # per fact order: the same for every encoding
+                    text_scores: dict[tuple[int, ...], tuple[float, str]] = {}  # per exact prompt
                     for variant in variants:
                         if not cache.get(variant.name, question.question_id):
                             cache.put(score_question(evaluator, stub, profiles[variant.profile_key], conversation,
@@ -352,7 +381,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def summarize(rows: list[dict], variants: list[Variant]) -> dict:
-    """Per variant, per category and overall: mean NLLs, the fidelity gap (kv - text), F1s, recall@k."""
+    """Per variant, per category and overall: mean NLLs and F1s, kv - text for both with its 95% paired bootstrap
+    interval, recall@k."""
     summary: dict[str, dict] = {}
     for variant in variants:
         mine = [row for row in rows if row["variant"] == variant.name]
@@ -361,13 +391,14 @@ def summarize(rows: list[dict], variants: list[Variant]) -> dict:
         for group, members in groups.items():
             recall = {k: mean([r["recall"][k] for r in members if r["recall"][k] is not None]) for k in
                       map(str, RECALL_AT)}
+            nll_gaps = [r["kv_nll"] - r["text_nll"] for r in members]
+            f1_gaps = [r["kv_f1"] - r["text_f1"] for r in members]
             summary[variant.name][group] = {
                 "questions": len(members), "text_nll": mean([r["text_nll"] for r in members]),
-                "kv_nll": mean([r["kv_nll"] for r in members]),
-                "gap": mean([r["kv_nll"] - r["text_nll"] for r in members]),
-                "abs_gap": mean([abs(r["kv_nll"] - r["text_nll"]) for r in members]),
-                "text_f1": mean([r["text_f1"] for r in members]), "kv_f1": mean([r["kv_f1"] for r in members]),
-                "recall": recall}
+                "kv_nll": mean([r["kv_nll"] for r in members]), "gap": mean(nll_gaps),
+                "gap_ci": paired_bootstrap(nll_gaps), "text_f1": mean([r["text_f1"] for r in members]),
+                "kv_f1": mean([r["kv_f1"] for r in members]), "f1_gap": mean(f1_gaps),
+                "f1_gap_ci": paired_bootstrap(f1_gaps), "recall": recall}
     return summary
 
 
@@ -377,29 +408,34 @@ def fmt(value: float, digits: int = 3) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
+def interval(bounds: Sequence[float], digits: int = 3) -> str:
+    return f"[{fmt(bounds[0], digits)}, {fmt(bounds[1], digits)}]"
+
+
 def markdown_report(result: dict, plots: list[str]) -> str:
     summary = result["summary"]
     names = list(summary)
     lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']})", "",
              (f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
-              "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats); gap = kv - text "
-              "(what injection costs, 0 = exact); mean abs gap: the mean of per-question absolute gaps (a gap of "
-              "either sign is a difference). F1: greedy answers' token F1 against gold."), "",
-             "| variant | questions | text NLL | kv NLL | gap | gap / gap(w=0) | mean abs gap | text F1 | kv F1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    base = summary.get("w=0", {}).get("overall", {}).get("gap")
+              "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats; lower is better). "
+              "F1: greedy answers' token F1 against gold. kv - text with its 95% paired bootstrap interval "
+              "(questions resampled together): an interval that holds 0 is no measured difference. With w > 0 kv "
+              "also sees conversation turns that text does not; tail=m prefills the m facts nearest the question."),
+             "", "| variant | questions | text NLL | kv NLL | kv - text NLL [95% CI] | text F1 | kv F1 | "
+                 "kv - text F1 [95% CI] |", "|---|---:|---:|---:|---|---:|---:|---|"]
     for name in names:
         row = summary[name]["overall"]
-        relative = row["gap"] / base if base else float("nan")
         lines.append(f"| {name} | {row['questions']} | {fmt(row['text_nll'])} | {fmt(row['kv_nll'])} | "
-                     f"{fmt(row['gap'])} | {fmt(relative, 2)} | {fmt(row['abs_gap'])} | {fmt(row['text_f1'])} | "
-                     f"{fmt(row['kv_f1'])} |")
-    lines += ["", "Fidelity gap per category (nats/token):", "",
-              "| variant | " + " | ".join(f"{c} {n}" for c, n in CATEGORIES.items()) + " | overall |",
-              "|---|" + "---:|" * (len(CATEGORIES) + 1)]
-    for name in names:
-        cells = [fmt(summary[name][str(c)]["gap"]) for c in CATEGORIES] + [fmt(summary[name]["overall"]["gap"])]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+                     f"{fmt(row['gap'])} {interval(row['gap_ci'])} | {fmt(row['text_f1'])} | {fmt(row['kv_f1'])} | "
+                     f"{fmt(row['f1_gap'])} {interval(row['f1_gap_ci'])} |")
+    for metric, label in (("gap", "kv - text NLL (nats/token)"), ("f1_gap", "kv - text F1")):
+        lines += ["", f"{label} per category, with 95% paired bootstrap intervals:", "",
+                  "| variant | " + " | ".join(f"{c} {n}" for c, n in CATEGORIES.items()) + " | overall |",
+                  "|---|" + "---|" * (len(CATEGORIES) + 1)]
+        for name in names:
+            cells = [f"{fmt(summary[name][group][metric])} {interval(summary[name][group][metric + '_ci'], 2)}"
+                     for group in [*map(str, CATEGORIES), "overall"]]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     first = summary[names[0]]
     lines += ["", "Retrieval recall of the evidence turns (same retrieval for every variant):", "",
               "| category | questions | " + " | ".join(f"recall@{k}" for k in RECALL_AT) + " |",
@@ -421,10 +457,15 @@ def plot(result: dict, output: Path) -> list[str]:
 
     summary = result["summary"]
     names = list(summary)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    axis.bar(names, [summary[n]["overall"]["gap"] for n in names], color="tab:blue")
-    axis.set_ylabel("fidelity gap, kv - text (nats/token)")
-    axis.set_title(f"LoCoMo, {result['model']}, k={result['k']}: what injection costs")
+    figure, axis = plt.subplots(figsize=(8, 4))
+    gaps = [summary[n]["overall"]["gap"] for n in names]
+    bounds = [summary[n]["overall"]["gap_ci"] for n in names]
+    axis.bar(names, gaps, color="tab:blue",
+             yerr=[[g - lo for g, (lo, _) in zip(gaps, bounds)], [hi - g for g, (_, hi) in zip(gaps, bounds)]],
+             capsize=3)
+    axis.axhline(0, color="black", linewidth=0.8)
+    axis.set_ylabel("kv - text NLL (nats/token), 95% CI")
+    axis.set_title(f"LoCoMo, {result['model']}, k={result['k']}: injected memory against text", fontsize=9)
     axis.tick_params(axis="x", rotation=30)
     axis.grid(alpha=0.3, axis="y")
     figure.tight_layout()
@@ -448,12 +489,15 @@ def plot(result: dict, output: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_LOCOMO)
-    parser.add_argument("--conversations", type=int, default=2, help="the first N conversations of the file")
+    parser.add_argument("--conversations", type=int, default=6, help="the first N conversations of the file")
     parser.add_argument("--per-category", type=int, default=6,
                         help="stratified subset: questions per category per conversation (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--k", type=int, default=50)
     parser.add_argument("--windows", type=int, nargs="+", default=[0, 5, 20, 50, -1])
+    parser.add_argument("--tails", type=int, nargs="*", default=[1, 2, 5, 10],
+                        help="recomputed tails m swept at --tail-window")
+    parser.add_argument("--tail-window", type=int, default=20, help="the window the tails are swept at (-2: none)")
     parser.add_argument("--fp8-window", type=int, default=50, help="the encoding also stored in fp8 (-2: none)")
     parser.add_argument("--order-window", type=int, default=50,
                         help="the encoding also served in chronological fact order (-2: none)")
@@ -464,6 +508,7 @@ def main() -> None:
     args.per_category = args.per_category or None
     args.fp8_window = None if args.fp8_window == -2 else args.fp8_window
     args.order_window = None if args.order_window == -2 else args.order_window
+    args.tail_window = None if args.tail_window == -2 else args.tail_window
     if not args.data.exists():
         raise SystemExit(f"{args.data}: no LoCoMo file (pass --data PATH)")
     result = evaluate(args)

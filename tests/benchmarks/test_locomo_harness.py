@@ -4,6 +4,7 @@ per-category summary, resumable results and the report."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from benchmarks.locomo import (
     markdown_report,
     normalize_answer,
     order_key,
+    paired_bootstrap,
     recall_at,
     stratified_subset,
     summarize,
@@ -87,6 +89,25 @@ def test_build_variants_adds_the_fp8_and_chronological_encodings_of_their_window
     assert build_variants([20], None, None) == [Variant("w=20", 20)]
 
 
+def test_build_variants_sweeps_the_tails_at_their_window() -> None:
+    variants = build_variants([0, 20], None, None, tails=[0, 2, 5], tail_window=20)
+    assert [(v.name, v.profile_key, v.tail) for v in variants] == [
+        ("w=0", (0, "float32"), 0), ("w=20", (20, "float32"), 0), ("w=20 tail=2", (20, "float32"), 2),
+        ("w=20 tail=5", (20, "float32"), 5)]
+
+
+def test_paired_bootstrap_brackets_the_mean_difference_and_narrows_with_more_questions() -> None:
+    rng = random.Random(3)
+    few = [1.0 + rng.gauss(0, 1) for _ in range(20)]
+    many = [1.0 + rng.gauss(0, 1) for _ in range(2000)]
+    low, high = paired_bootstrap(few)
+    assert low < sum(few) / len(few) < high
+    many_low, many_high = paired_bootstrap(many)
+    assert many_low < 1.0 < many_high and many_high - many_low < (high - low) / 4
+    assert paired_bootstrap([0.2] * 10) == (pytest.approx(0.2), pytest.approx(0.2))
+    assert all(math.isnan(bound) for bound in paired_bootstrap([]))
+
+
 def test_chronological_order_sorts_facts_by_their_source_turn() -> None:
     facts = [pb.RetrievedFact(fact_id="late", rank=0), pb.RetrievedFact(fact_id="early", rank=1)]
     key = order_key("chronological", {"early": 3, "late": 9})
@@ -107,10 +128,11 @@ def test_summary_gap_is_kv_minus_text_per_category_and_overall() -> None:
     multi_hop, overall = summary["w=0"]["1"], summary["w=0"]["overall"]
     assert multi_hop["questions"] == 2
     assert multi_hop["gap"] == pytest.approx((0.5 - 0.1) / 2)
-    assert multi_hop["abs_gap"] == pytest.approx((0.5 + 0.1) / 2)
+    assert multi_hop["gap_ci"][0] <= multi_hop["gap"] <= multi_hop["gap_ci"][1]
+    assert -0.1 - 1e-9 <= multi_hop["gap_ci"][0] and multi_hop["gap_ci"][1] <= 0.5 + 1e-9
     assert multi_hop["recall"]["5"] == 1.0  # the question without evidence is left out, not counted as 0
     assert overall["gap"] == pytest.approx((0.5 - 0.1 + 0.2) / 3)
-    assert overall["kv_f1"] == pytest.approx(1 / 3)
+    assert overall["kv_f1"] == pytest.approx(1 / 3) and overall["f1_gap"] == pytest.approx(-2 / 3)
     assert summary["w=5"]["overall"]["gap"] == 0.0
     assert summary["w=5"]["2"]["questions"] == 0 and math.isnan(summary["w=5"]["2"]["gap"])
 
@@ -126,11 +148,12 @@ def test_result_cache_resumes_the_rows_of_an_interrupted_run(tmp_path) -> None:
     assert len(resumed.rows) == 2
 
 
-def test_report_gives_each_variants_gap_relative_to_w0_and_marks_empty_categories() -> None:
+def test_report_gives_each_variants_differences_with_intervals_and_marks_empty_categories() -> None:
     rows = [_row("w=0", "a", 1, 1.0, 1.4, 1.0), _row("w=5", "a", 1, 1.0, 1.1, 1.0)]
     result = {"summary": summarize(rows, [Variant("w=0", 0), Variant("w=5", 5)]), "model": "m", "k": 50,
               "conversations": ["conv-a"], "rows": 2}
     report = markdown_report(result, ["out/fidelity_gap.png"])
-    assert "| w=5 | 1 | 1.000 | 1.100 | 0.100 | 0.25 | 0.100 | 1.000 | 0.000 |" in report
-    assert "| w=0 | 0.400 | n/a | n/a | n/a | 0.400 |" in report
+    assert ("| w=5 | 1 | 1.000 | 1.100 | 0.100 [0.100, 0.100] | 1.000 | 0.000 | -1.000 [-1.000, -1.000] |"
+            in report)
+    assert "| w=0 | 0.400 [0.40, 0.40] | n/a [n/a, n/a] | n/a [n/a, n/a] | n/a [n/a, n/a] | 0.400 [0.40, 0.40] |" in report
     assert "![fidelity_gap](fidelity_gap.png)" in report
