@@ -226,6 +226,8 @@ class MemoryMiddleware:
         if memory.mode == "kv" and response.header_content_id:
             payload["kv_transfer_params"] = self._signer.kv_transfer_params(plan.plan)
             payload["cache_salt"] = self._signer.cache_salt(plan.plan)
+        else:  # the memory is prefilled: reusable by this user's requests only
+            payload["cache_salt"] = self._signer.user_salt(self.settings.profile_id, memory.user_id)
         if memory.mode == "kv":
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)

@@ -77,6 +77,12 @@ class PlanSigner:
         same signed plan (same user, same KV keys, same tokens) can reuse them."""
         return RESERVED_SALT_PREFIX + self._mac(b"salt", plan)[:32]
 
+    def user_salt(self, profile_id: str, user_id: str) -> str:
+        """The salt of a user's prefilled memory prompts: reuse within the user's own requests (the text-stable
+        layout relies on it), none across users, so that no one can probe another user's memory through vLLM's
+        prefix cache (`cached_tokens`)."""
+        return RESERVED_SALT_PREFIX + self._mac(b"user", {"profile_id": profile_id, "user_id": user_id})[:32]
+
     def verified(self, params: Any) -> dict | None:
         """The plan in `params` if its signature is the middleware's, else None (never raises)."""
         try:

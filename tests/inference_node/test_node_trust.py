@@ -27,6 +27,7 @@ from tests.tiny_llama import build_tiny_llama
 QUESTION = "def answer(question):"
 VICTIM_FACT = "Alice keeps bees on the roof of her house."
 GONE_FACT = "Gina paints lighthouses at dawn every Sunday."
+TWIN_FACT = "Ivo hides the spare key under the third flowerpot."
 REFERENCE_USERS = ("reference", "reference-2", "reference-3")
 
 
@@ -48,7 +49,7 @@ def node(node_memory_service, node_stub, tiny_llama_dir, tokenizer, tmp_path_fac
     # Each reference user is loaded for the first time by one test: its whole memory comes through the connector
     # (a repeat would find part of it in vLLM's prefix cache).
     users = {**{user: [("f0", VICTIM_FACT)] for user in REFERENCE_USERS}, "gone": [("f0", GONE_FACT)],
-             "named": [("header", VICTIM_FACT)]}
+             "named": [("header", VICTIM_FACT)], "twin-a": [("f0", TWIN_FACT)], "twin-b": [("f0", TWIN_FACT)]}
     for user, facts in users.items():
         node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
             pb.FactInput(fact_id=fact_id, text=text) for fact_id, text in facts]))
@@ -280,3 +281,20 @@ def test_completions_with_a_bos_adding_tokenizer_inject_and_equal_text(node) -> 
     assert kv.summary["kv_facts"] == 1
     assert kv.usage["prompt_tokens_details"]["cached_tokens"] == kv.summary["injectable_tokens"] > 0
     _same_generation(kv, text)
+
+
+def test_a_users_prefilled_memory_is_reused_by_that_user_alone(node, tokenizer) -> None:
+    """Regression: text-mode memory prompts went unsalted into vLLM's shared prefix cache, so any client could test
+    a guess of another user's memory through `cached_tokens` (block by block)."""
+    memory_prompt = memory_header_text(tokenizer) + TWIN_FACT + "\n" + QUESTION
+    assert complete(node, QUESTION, {"user_id": "twin-a", "mode": "text"}).summary["facts"] == 1
+    again = complete(node, QUESTION, {"user_id": "twin-a", "mode": "text"})
+    assert again.usage["prompt_tokens_details"]["cached_tokens"] >= 32  # the user's own repeat reuses its blocks
+    other_user = complete(node, QUESTION, {"user_id": "twin-b", "mode": "text"})  # the very same prompt tokens
+    assert other_user.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    status, probe = _post(node, "/v1/completions", {"model": str(node.model_dir), "prompt": memory_prompt,
+                                                     "max_tokens": 1, "add_special_tokens": False})
+    assert status == 200 and probe["usage"]["prompt_tokens"] == again.usage["prompt_tokens"] >= 64
+    # Blocks of the public header alone may be shared (other tests sent it unsalted); no block holding a fact token.
+    public = len(memory_header_ids(tokenizer)) // 32 * 32
+    assert (probe["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) <= public < 64
