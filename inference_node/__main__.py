@@ -94,6 +94,9 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
                             synchronous_loads=synchronous_loads, retrieve_timeout_s=args.retrieve_timeout_s,
                             fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path,
                             user_header=args.user_header)
+    if args.recompute_tail_facts > settings.max_top_k:
+        raise SystemExit(f"inference_node: --recompute-tail-facts must be at most {settings.max_top_k} (the most facts "
+                         "a request may retrieve)")
     transfer = kv_transfer_config(settings)
     vllm_args = within_gpu_memory_budget(vllm_args, args.node_cache_mb << 20, device_bytes)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

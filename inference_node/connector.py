@@ -59,10 +59,6 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     load_async: bool = False
 
-    def with_blocks(self, block_ids: list[int]) -> LoadSpec:
-        return LoadSpec(self.request_id, self.user_id, self.chunks, self.start, self.end, tuple(block_ids),
-                        self.load_async)
-
 
 @dataclass
 class InferScaleConnectorMetadata(KVConnectorMetadata):

@@ -41,6 +41,7 @@ class InferScaleScheduler:
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
                                              _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size))
         self._plans: dict[str, tuple[int, tuple[ChunkLoad, ...], str]] = {}  # request id -> (end, chunks, user)
+        self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last matching query
         self._pending: dict[str, LoadSpec] = {}  # decided by update_state_after_alloc, not yet sent
         self._inflight: dict[str, LoadSpec] = {}  # async loads sent, not yet reported finished
         self._failed_inflight: set[str] = set()  # of those, the ones some rank reported failed blocks for
@@ -77,45 +78,29 @@ class InferScaleScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         end, chunks, _ = self._plan(request)
+        self._computed[request.request_id] = num_computed_tokens  # where a load allocated next would start
         claim = max(0, end - num_computed_tokens)
         return claim, claim > 0 and self._loads_async(_from(chunks, num_computed_tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Decides the load vLLM just allocated for: positions [local hit, local hit + external tokens), into the
+        request's block ids as allocated here (final for this admission, also when a preempted request resumes)."""
+        computed = self._computed.pop(request.request_id, None)
         if num_external_tokens <= 0:
             self._pending.pop(request.request_id, None)
             return
         end, chunks, user_id = self._plan(request)
-        start = end - num_external_tokens
+        start = computed if computed is not None else end - num_external_tokens
         chunks = _from(chunks, start)  # those before `start` are in vLLM's prefix cache: not staged, not needed
-        load_async = self._loads_async(chunks)
-        # An async request is not scheduled this step: its blocks are known only here.
-        block_ids = tuple(blocks.get_block_ids()[0]) if load_async else ()
-        self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, start, end, block_ids,
-                                                     load_async)
+        self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, start,
+                                                     start + num_external_tokens, tuple(blocks.get_block_ids()[0]),
+                                                     self._loads_async(chunks))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> InferScaleConnectorMetadata:
-        metadata = InferScaleConnectorMetadata()
-        for req_id in [r for r, spec in self._pending.items() if spec.load_async]:
-            metadata.loads.append(self._pending.pop(req_id))
-        for new in scheduler_output.scheduled_new_reqs:
-            spec = self._pending.pop(new.req_id, None)
-            if spec is not None:
-                metadata.loads.append(spec.with_blocks(new.block_ids[0]))
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-        legacy_resumed = getattr(cached, "resumed_from_preemption", None)  # vLLM releases before resumed_req_ids
-        for index, req_id in enumerate(cached.req_ids):
-            spec = self._pending.pop(req_id, None)
-            if spec is None:
-                continue
-            is_resumed = req_id in resumed or bool(legacy_resumed and legacy_resumed[index])
-            new_block_ids = cached.new_block_ids[index]
-            if is_resumed and new_block_ids is not None:
-                # A resumed request gets all of its blocks anew: its memory prefix is loaded again.
-                metadata.loads.append(spec.with_blocks(new_block_ids[0]))
-            else:  # vLLM asks for loads only on admission and on resumption: this would be a new vLLM behaviour
-                logger.error("InferScale: request %s was scheduled with a pending load but neither new nor resumed "
-                             "(no block ids to write); its claimed tokens are not loaded", req_id)
+        """Sends every load decided since the last step: a synchronous one's request is scheduled in this step (vLLM
+        allocates and schedules it together), an async one's waits for it."""
+        metadata = InferScaleConnectorMetadata(loads=list(self._pending.values()))
+        self._pending.clear()
         protected = {chunk.key for spec in metadata.loads for chunk in spec.chunks}
         for spec in metadata.loads:
             if spec.load_async:
@@ -144,19 +129,21 @@ class InferScaleScheduler:
                 loaded = req_id not in failed and req_id not in self._failed_inflight
                 self._failed_inflight.discard(req_id)
                 self._directory.settle([chunk.key for chunk in spec.chunks], loaded)
-                if not loaded:
+                if not loaded and req_id in self._plans:
                     self._plans[req_id] = _NO_PLAN  # vLLM prefills it; a re-admitted request claims nothing
         if invalid:
             for req_id, spec in list(self._recent_sync.items()):
                 if not invalid.isdisjoint(spec.block_ids):
                     self._directory.drop(chunk.key for chunk in spec.chunks)
-                    self._plans[req_id] = _NO_PLAN
+                    if req_id in self._plans:
+                        self._plans[req_id] = _NO_PLAN
                     del self._recent_sync[req_id]
 
     def request_finished(self, request: Request) -> None:
         # An async load in flight stays in _inflight: vLLM frees the blocks only once it is reported finished.
         self._pending.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+        self._computed.pop(request.request_id, None)
         self._recent_sync.pop(request.request_id, None)
 
     def take_stats(self) -> LoadStats | None:

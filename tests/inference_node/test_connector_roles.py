@@ -38,7 +38,7 @@ def _vllm_config(pipeline_parallel_size: int = 1, **model_overrides) -> SimpleNa
 def scheduler(monkeypatch) -> InferScaleScheduler:
     monkeypatch.setenv(PLAN_SECRET_ENV, SECRET.hex())
     settings = NodeSettings(memory_service="-", node_id="n", model_dir="-", profile={"profile_id": PROFILE},
-                            node_cache_mb=1)
+                            node_cache_mb=1, synchronous_loads=True)
     return InferScaleScheduler(_vllm_config(), settings)
 
 
@@ -198,3 +198,10 @@ def test_a_node_cache_that_leaves_vllm_too_little_is_refused_naming_both_numbers
 def test_without_a_cuda_device_vllms_flags_are_unchanged() -> None:
     assert within_gpu_memory_budget(["--gpu-memory-utilization", "0.5"], 64 * GIB, None) == [
         "--gpu-memory-utilization", "0.5"]
+
+
+def test_a_recomputed_tail_longer_than_any_retrieval_is_refused_at_start(tiny_llama_dir) -> None:
+    import inference_node.__main__ as node_main
+
+    with pytest.raises(SystemExit, match="--recompute-tail-facts must be at most 200"):
+        node_main.vllm_command(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "201"])
