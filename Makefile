@@ -36,8 +36,9 @@ bench-memory: install
 bench-precompute: install
 	$(PY) -m benchmarks.precompute
 
+# The CPU report of benchmarks/RESULTS.md: every workload, every contender.
 bench-serve: install
-	$(PY) -m benchmarks.serve
+	$(PY) -m benchmarks.serve --workloads synthetic varying long cold --k 10 50 --requests 16
 
 # Needs the LoCoMo data (../shared/data/locomo/locomo-dev6.json by default; --data PATH for another copy).
 bench-locomo: install
