@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,15 @@ class ServiceConfig:
     tls_client_ca_file: Path | None = None
     health_port: int = 0
     log_level: str = "info"
+    # Shared state for several replicas: PostgreSQL for coordination (empty: SQLite in <data_dir>/kv), an S3 URI for
+    # facts, turns, embeddings and fact KV (empty: <data_dir>); credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY.
+    coordination_url: str = ""
+    store_uri: str = ""
+    s3_endpoint: str = ""
+    s3_region: str = "us-east-1"
+    s3_allow_http: bool = False
+    # Replicas sharing a store: how often each drops memory-tier KV that another replica deleted.
+    tier_sweep_interval_s: float = 10.0
     limits: Limits = field(default_factory=Limits)
 
     def validate(self) -> None:
@@ -121,6 +131,20 @@ class ServiceConfig:
             raise ConfigError("--default-page-size: larger than --max-page-size")
         if self.data_dir.exists() and not self.data_dir.is_dir():
             raise ConfigError(f"--data-dir: {self.data_dir} exists and is not a directory")
+        if self.coordination_url and not self.coordination_url.startswith(
+                ("postgresql://", "postgres://", "sqlite:///")):
+            raise ConfigError(f"--coordination-url: {self.coordination_url!r} is not postgresql://... or sqlite:///PATH")
+        if self.store_uri.startswith("s3://") and not self.coordination_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("--store-uri s3://...: replicas sharing a store need --coordination-url postgresql://...")
+        if "://" in self.store_uri and not self.store_uri.startswith("s3://"):
+            raise ConfigError(f"--store-uri: {self.store_uri!r} is not s3://BUCKET[/PREFIX] or a local directory")
+        if self.tier_sweep_interval_s <= 0:
+            raise ConfigError("--tier-sweep-interval-s: must be positive")
+
+    @property
+    def coordination_url_for_logs(self) -> str:
+        """The coordination URL without its password."""
+        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", self.coordination_url)
 
     @property
     def resolved_embedding_cache_dir(self) -> Path:
@@ -131,6 +155,7 @@ class ServiceConfig:
         fields["data_dir"] = str(self.data_dir)
         for name in _OPTIONAL_PATHS:
             fields[name] = str(fields[name]) if fields[name] else None
+        fields["coordination_url"] = self.coordination_url_for_logs
         return fields
 
 
@@ -207,6 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mutual TLS: require client certificates signed by this CA (PEM)")
     parser.add_argument("--health-port", type=int, default=_env("health_port", 0),
                         help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes under TLS)")
+    parser.add_argument("--coordination-url", default=_env("coordination_url", ""),
+                        help="postgresql://USER:PASSWORD@HOST/DB shared by every replica (profiles, KV queue and "
+                        "index, write generations); empty: SQLite in <data-dir>/kv, one replica")
+    parser.add_argument("--store-uri", default=_env("store_uri", ""),
+                        help="s3://BUCKET/PREFIX for facts, turns, embeddings and fact KV, shared by every replica "
+                        "(needs --coordination-url postgresql://...; credentials from AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY); empty: <data-dir>")
+    parser.add_argument("--s3-endpoint", default=_env("s3_endpoint", ""),
+                        help="S3-compatible endpoint URL (MinIO, SeaweedFS, ...); empty: AWS")
+    parser.add_argument("--s3-region", default=_env("s3_region", "us-east-1"))
+    parser.add_argument("--s3-allow-http", action="store_true",
+                        default=str(_env("s3_allow_http", "")).lower() in ("1", "true", "yes"),
+                        help="allow a plain-HTTP endpoint (in-cluster stores without TLS)")
+    parser.add_argument("--tier-sweep-interval-s", type=float,
+                        default=_env("tier_sweep_interval_s", ServiceConfig.tier_sweep_interval_s),
+                        help="shared store: how often memory-tier KV another replica deleted is dropped")
     for limit in dataclasses.fields(Limits):
         parser.add_argument(
             f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
@@ -244,6 +285,12 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         optimize_interval_s=float(args.optimize_interval_s),
         **{name: Path(getattr(args, name)) if getattr(args, name) else None for name in _OPTIONAL_PATHS},
         health_port=int(args.health_port),
+        coordination_url=args.coordination_url,
+        store_uri=args.store_uri,
+        s3_endpoint=args.s3_endpoint,
+        s3_region=args.s3_region,
+        s3_allow_http=bool(args.s3_allow_http),
+        tier_sweep_interval_s=float(args.tier_sweep_interval_s),
         limits=limits,
     )
     config.validate()

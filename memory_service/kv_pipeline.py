@@ -13,7 +13,7 @@ import structlog
 from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
 from inferscale_kv.kv_key import KvKey, header_key
 from memory_service.errors import InvalidArgument, NotFound
-from memory_service.kv_index import Job, KvEntry, QueueCounts
+from memory_service.coordination import Job, KvEntry, QueueCounts
 from memory_service.kv_store import TieredKvStore
 from memory_service.models import StoredFact, StoredTurn
 from memory_service.store import FactStore

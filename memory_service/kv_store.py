@@ -1,19 +1,19 @@
-"""The service's fact KV store: tiers (GPU, pinned host, disk) in front of a durable index and work queue."""
+"""The service's fact KV store: tiers (GPU, pinned host, and the durable one: disk or an object store) in front of
+the coordination store's index and work queue."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 import torch
 
 from inferscale_kv.eviction import LruEviction
 from inferscale_kv.kv_key import KvKey
-from memory_service.kv_index import KvIndex
-from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, KvTier, MemoryTier
+from memory_service.coordination import CoordinationStore
+from memory_service.kv_tiers import AdmitBelowFraction, KvTier, MemoryTier
 
 log = structlog.get_logger(__name__)
 
@@ -26,18 +26,21 @@ class KvStoreBudgets:
 
 
 class TieredKvStore:
-    """Looks blobs up from the fastest tier down, promotes hits into the faster tiers, writes through to disk
-    (the durable tier) first. A blob that fails its checksum on disk is dropped and its fact re-queued.
+    """Looks blobs up from the fastest tier down, promotes hits into the faster tiers, writes through to the durable
+    tier (disk, or an object store that replicas share) first. A blob that fails its checksum there is dropped and
+    its fact re-queued.
 
-    The index and the tiers change together under one lock: what the index lists is what the tiers may serve
-    (`get` serves nothing else), a completion cannot land after the delete of its fact (no orphan blobs), and the
-    profiles' memory header KV is pinned in every tier it enters (every node needs it; it is never evicted).
+    The index and the tiers change together: what the index lists is what the tiers may serve (`get` serves nothing
+    else), a completion is recorded only under its lease and cannot land after the delete of its fact (no orphan
+    blobs), and the profiles' memory header KV is pinned in every tier it enters (every node needs it; it is never
+    evicted). Within one process one lock orders these steps; across replicas the coordination store's transactions
+    do (a completion records after its upload, a delete removes what it un-recorded).
     """
 
-    def __init__(self, root: Path, budgets: KvStoreBudgets, max_attempts: int = 3) -> None:
-        self.index = KvIndex(root / "index.sqlite", max_attempts=max_attempts)
+    def __init__(self, index: CoordinationStore, durable: KvTier, budgets: KvStoreBudgets) -> None:
+        self.index = index
         cuda = torch.cuda.is_available()
-        self.disk = DiskTier(root / "blobs", budgets.disk_bytes, LruEviction(), AdmitAll())
+        self.disk = durable
         self.disk.on_evict = self._forget_evicted
         self.disk.on_corrupt = self._requeue_corrupt
         memory_tiers: list[KvTier] = []
@@ -47,11 +50,13 @@ class TieredKvStore:
             memory_tiers.append(MemoryTier("host", budgets.host_bytes, LruEviction(), AdmitBelowFraction(0.1), "cpu",
                                            pinned=cuda))
         self.tiers: list[KvTier] = [*memory_tiers, self.disk]
-        for key in self.disk.keys():
-            if key.is_header:
-                self.disk.pin(key)
+        if not index.shared:
+            for key in self.disk.keys():
+                if key.is_header:
+                    self.disk.pin(key)
         self.corrupt_blobs = 0
         self._lock = threading.RLock()
+        self._swept_generations: dict[str, int] = {}
 
     def _forget_evicted(self, key: KvKey) -> None:
         """The durable copy is gone: the index stops listing it and no memory tier keeps an unservable copy."""
@@ -129,8 +134,29 @@ class TieredKvStore:
             for tier in self.tiers:
                 tier.remove(key)
 
+    def sweep_memory_tiers(self) -> int:
+        """Drops the memory tiers' copies of keys the index no longer lists, for the users whose write generation
+        moved since the last sweep (another replica deleted their facts); returns the copies dropped."""
+        users = {key.user_id for tier in self.tiers[:-1] for key in tier.keys()}
+        generations = self.index.write_generations(sorted(users))
+        moved = [user for user, generation in generations.items() if generation != self._swept_generations.get(user)]
+        dropped = 0
+        for user in moved:
+            self._swept_generations[user] = generations[user]
+            with self._lock:
+                stale = [key for tier in self.tiers[:-1] for key in tier.keys()
+                         if key.user_id == user and not self._is_listed(key)]
+                for key in stale:
+                    for tier in self.tiers[:-1]:
+                        dropped += tier.remove(key)
+        return dropped
+
     def reconcile(self) -> None:
-        """Makes index and disk agree after a crash: files without an entry go, entries without a file go."""
+        """Makes index and disk agree after a crash: files without an entry go, entries without a file go. Local
+        stores only: replicas sharing an object store never list it (another replica's upload may not be recorded
+        yet)."""
+        if self.index.shared:
+            return
         with self._lock:
             entries = set(self.index.all_entry_keys())
             on_disk = set(self.disk.keys())

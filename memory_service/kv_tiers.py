@@ -175,18 +175,36 @@ class MemoryTier(KvTier):
 
 
 _CONTENT_ID = re.compile(r"[0-9a-f]{32}")
+BLOB_SUFFIX = ".kv"
 
 
 def _component(value: str) -> str:
     return urllib.parse.quote(value, safe="")
 
 
+def blob_name(key: KvKey) -> str:
+    """A blob's relative name in a durable tier: profile/user/fact.v<version>.<content id>.kv (components quoted)."""
+    return (f"{_component(key.profile_id)}/{_component(key.user_id)}/"
+            f"{_component(key.fact_id)}.v{key.version}.{key.content_id}{BLOB_SUFFIX}")
+
+
+def key_of_blob_name(name: str) -> KvKey | None:
+    """The key a blob name names; None for names of another layout (older releases)."""
+    parts = name.split("/")
+    if len(parts) != 3 or not parts[2].endswith(BLOB_SUFFIX):
+        return None
+    rest, _, content = parts[2][: -len(BLOB_SUFFIX)].rpartition(".")
+    stem, _, version = rest.rpartition(".v")
+    if not (version.isdigit() and _CONTENT_ID.fullmatch(content)):
+        return None
+    return KvKey(urllib.parse.unquote(parts[0]), urllib.parse.unquote(parts[1]), urllib.parse.unquote(stem),
+                 int(version), content)
+
+
 class DiskTier(KvTier):
     """Durable tier: one file per blob, written atomically (temp file, fsync, rename). Reads verify the
     blob's checksum: a torn or corrupted file is deleted and reported through `on_corrupt`, never returned.
     Survives restarts: existing files are found again at start (oldest first in LRU order)."""
-
-    SUFFIX = ".kv"
 
     def __init__(self, root: Path, budget_bytes: int, eviction: EvictionPolicy, admission: AdmissionPolicy) -> None:
         super().__init__("disk", budget_bytes, eviction, admission)
@@ -197,23 +215,12 @@ class DiskTier(KvTier):
         self._restore()
 
     def path(self, key: KvKey) -> Path:
-        return (self.root / _component(key.profile_id) / _component(key.user_id)
-                / f"{_component(key.fact_id)}.v{key.version}.{key.content_id}{self.SUFFIX}")
-
-    @staticmethod
-    def _key_of(path: Path) -> KvKey | None:
-        """The key a blob file is named by; None for names of another layout (older releases)."""
-        rest, _, content = path.name[: -len(DiskTier.SUFFIX)].rpartition(".")
-        stem, _, version = rest.rpartition(".v")
-        if not (version.isdigit() and _CONTENT_ID.fullmatch(content)):
-            return None
-        return KvKey(urllib.parse.unquote(path.parent.parent.name), urllib.parse.unquote(path.parent.name),
-                     urllib.parse.unquote(stem), int(version), content)
+        return self.root / blob_name(key)
 
     def _restore(self) -> None:
         found: list[tuple[float, KvKey, int]] = []
-        for path in self.root.glob(f"*/*/*{self.SUFFIX}"):
-            key = self._key_of(path)
+        for path in self.root.glob(f"*/*/*{BLOB_SUFFIX}"):
+            key = key_of_blob_name(path.relative_to(self.root).as_posix())
             if key is None:
                 path.unlink(missing_ok=True)
                 continue

@@ -68,9 +68,25 @@ class ServiceMetrics:
         """Exports the KV tiers' accounting and the work queue's state, read at scrape time."""
         self.registry.register(_KvCollector(kv_store))
 
+    def watch_coordination(self, database) -> None:
+        """Exports the statements sent to the coordination store (SQLite or PostgreSQL), read at scrape time."""
+        self.registry.register(_CountCollector(
+            "inferscale_coordination_statements", "SQL statements sent to the coordination store",
+            lambda: database.round_trips))
+
     def serve(self, port: int, host: str) -> None:
         """Exposes /metrics over HTTP on a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _CountCollector(Collector):
+    def __init__(self, name: str, documentation: str, read) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self):
+        family = CounterMetricFamily(self._name, self._documentation)
+        family.add_metric([], self._read())
+        yield family
 
 
 class _KvCollector(Collector):
@@ -95,6 +111,10 @@ class _KvCollector(Collector):
         yield from tier_gauges.values()
         yield budget
         yield from tier_counters.values()
+        requests = CounterMetricFamily("inferscale_object_store_requests", "requests to the shared object store "
+                                       "for fact KV (LanceDB's own are not counted)")
+        requests.add_metric([], getattr(self._kv.disk, "requests", 0))
+        yield requests
         corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "disk blobs that failed their checksum")
         corrupt.add_metric([], self._kv.corrupt_blobs)
         yield corrupt

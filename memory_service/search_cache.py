@@ -50,6 +50,9 @@ class UserFacts:
 
     rows: list[FactRow]
     vectors: np.ndarray  # [len(rows), dim] float32
+    # The user's write generation in the coordination store that these rows reflect (replicas sharing a store);
+    # -1: unknown, so the entry is reloaded before it is used.
+    store_generation: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -111,10 +114,11 @@ class UserFactsCache:
             self._drop(next(iter(self._entries)))
         return True
 
-    def upsert(self, user_id: str, rows: list[FactRow], vectors: np.ndarray) -> None:
+    def upsert(self, user_id: str, rows: list[FactRow], vectors: np.ndarray, store_generation: int = 0) -> None:
         """Applies a committed write of `rows` (new facts, or replacing those with their fact_ids) to the user's
         entry, if cached, so that a write does not cost the next query a reload; like `invalidate`, drops reads in
-        flight."""
+        flight. `store_generation`: the write's generation; the entry reflects it only if it reflected the one
+        before."""
         entry = self._entries.get(user_id)
         self.invalidate(user_id)
         if entry is None:
@@ -130,7 +134,8 @@ class UserFactsCache:
             else:
                 merged_rows[at] = row
                 merged_vectors[at] = vectors[index]
-        merged = UserFacts(merged_rows, np.concatenate([merged_vectors, vectors[appended]]))
+        current = store_generation if entry.store_generation == store_generation - 1 or not store_generation else -1
+        merged = UserFacts(merged_rows, np.concatenate([merged_vectors, vectors[appended]]), current)
         self.put(user_id, merged, self.generation(user_id))
 
     def invalidate(self, user_id: str) -> None:

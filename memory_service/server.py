@@ -47,6 +47,18 @@ async def _optimize_periodically(servicer: MemoryServicer) -> None:
                 log.exception("store_optimize_failed")
 
 
+async def _sweep_tiers_periodically(servicer: MemoryServicer) -> None:
+    """Replicas sharing a store: drops memory-tier KV that another replica deleted (the index no longer lists it)."""
+    while True:
+        await asyncio.sleep(servicer.config.tier_sweep_interval_s)
+        try:
+            dropped = await asyncio.to_thread(servicer.kv.kv.sweep_memory_tiers)
+            if dropped:
+                log.info("kv_tiers_swept", dropped=dropped)
+        except Exception:  # noqa: BLE001 - maintenance must not take the service down
+            log.exception("kv_tier_sweep_failed")
+
+
 async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
     """Serves until `stop` is set or SIGTERM/SIGINT arrives. Health reports SERVING only once loaded."""
     stop = stop or asyncio.Event()
@@ -87,7 +99,7 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     log.info("listening", port=port, metrics_port=config.metrics_port, health_port=config.health_port,
              tls="mutual" if config.tls_client_ca_file else bool(credentials), access_control=servicer.access.enabled)
 
-    maintenance: asyncio.Task | None = None
+    maintenance: list[asyncio.Task] = []
     try:
         load = asyncio.create_task(servicer.load())
         stopped = asyncio.create_task(stop.wait())
@@ -102,17 +114,19 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
             for name in ("", SERVICE_NAME):
                 await health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("ready", embedding_model=config.embedding_model, embedding_dim=servicer.embedder.dim)
-            maintenance = asyncio.create_task(_optimize_periodically(servicer))
+            maintenance.append(asyncio.create_task(_optimize_periodically(servicer)))
+            if servicer.kv.kv.index.shared:
+                maintenance.append(asyncio.create_task(_sweep_tiers_periodically(servicer)))
             await stopped
         else:
             load.cancel()
     finally:
         log.info("stopping", grace_s=config.shutdown_grace_s)
         await health.enter_graceful_shutdown()
-        if maintenance is not None:
-            maintenance.cancel()
+        for task in maintenance:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await maintenance
+                await task
         await server.stop(config.shutdown_grace_s)
         if health_server is not None:
             await health_server.stop(0)

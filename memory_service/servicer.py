@@ -29,12 +29,14 @@ from memory_service.errors import (
 )
 from memory_service.metrics import ServiceMetrics
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
-from memory_service.kv_index import Job
+from memory_service.coordination import CoordinationStore, Job
 from memory_service.kv_pipeline import KvPipeline, Upload
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
 from memory_service.models import IngestOutcome, StoredFact
+from memory_service.object_store import S3Settings, StoreLocation
 from inferscale_kv.profile import profile_fields
 from memory_service.profiles import validate_profile
+from memory_service.sql import open_database
 from memory_service.store import FactStore
 from memory_service.validation import (
     decode_page_token,
@@ -156,17 +158,23 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     async def load(self) -> None:
         await self.embedder.load()
-        store = FactStore(self.config.data_dir, self.config.embedding_model, self.embedder.dim,
-                          search_cache_bytes=self.config.search_cache_mb << 20)
+        config = self.config
+        location = StoreLocation.parse(config.store_uri, config.data_dir,
+                                       S3Settings(config.s3_endpoint, config.s3_region, config.s3_allow_http))
+        database = await asyncio.to_thread(open_database, config.coordination_url,
+                                           config.data_dir / "kv" / "index.sqlite")
+        coordination = await asyncio.to_thread(CoordinationStore, database, config.kv_max_attempts)
+        self.metrics.watch_coordination(database)
+        store = FactStore(location, coordination, config.embedding_model, self.embedder.dim,
+                          search_cache_bytes=config.search_cache_mb << 20)
         await store.open()
         budgets = KvStoreBudgets(
-            gpu_bytes=self.config.kv_gpu_budget_mb << 20,
-            host_bytes=self.config.kv_host_budget_mb << 20,
-            disk_bytes=int(self.config.kv_disk_budget_gb * (1 << 30)),
+            gpu_bytes=config.kv_gpu_budget_mb << 20,
+            host_bytes=config.kv_host_budget_mb << 20,
+            disk_bytes=int(config.kv_disk_budget_gb * (1 << 30)),
         )
-        kv_store = await asyncio.to_thread(
-            TieredKvStore, self.config.data_dir / "kv", budgets, self.config.kv_max_attempts
-        )
+        durable = await asyncio.to_thread(location.durable_kv_tier, budgets.disk_bytes)
+        kv_store = await asyncio.to_thread(TieredKvStore, coordination, durable, budgets)
         self.store = store
         self.kv = KvPipeline(store, kv_store)
         self.metrics.watch_kv(kv_store)

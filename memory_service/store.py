@@ -1,4 +1,5 @@
-"""LanceDB-backed storage of users' facts (with embeddings) and conversation turns.
+"""LanceDB-backed storage of users' facts (with embeddings) and conversation turns, in a local directory or on an
+object store shared by service replicas (memory_service.object_store.StoreLocation).
 
 Every method takes validated input (see validation.py): ids come from a quote-free alphabet, which
 is what makes the SQL filters below safe to build by formatting.
@@ -13,7 +14,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
+from datetime import timedelta
 from typing import AsyncIterator
 
 import lancedb
@@ -23,6 +24,7 @@ import pyarrow.compute as pc
 import structlog
 from lancedb.index import BTree
 
+from memory_service.coordination import CoordinationStore
 from memory_service.errors import LimitExceeded
 from memory_service.models import (
     IngestOutcome,
@@ -34,14 +36,16 @@ from memory_service.models import (
     StoredFact,
     StoredTurn,
 )
+from memory_service.object_store import StoreLocation
 from memory_service.search_cache import FACT_ROW_COLUMNS, UserFacts, UserFactsCache, fact_row, stored_fact
 
 log = structlog.get_logger(__name__)
 
 FACTS_TABLE = "facts"
 TURNS_TABLE = "turns"
-VERSION_FLOORS_TABLE = "version_floors"
-_STORE_META_FILE = "store.json"
+# Releases before the coordination store kept the version floors in this LanceDB table: moved at open, then dropped.
+LEGACY_VERSION_FLOORS_TABLE = "version_floors"
+_STORE_META_FILE = "store.json"  # releases before the coordination store kept the embedding model here
 _USER_LOCK_STRIPES = 64
 
 
@@ -81,13 +85,9 @@ def facts_schema(dim: int) -> pa.Schema:
     )
 
 
-# The highest fact version a user ever had deleted, so that a version number is never handed out twice (a fact
-# re-created under a deleted id continues above it). Keyed by a digest of the user id: a deleted user's id is gone.
-VERSION_FLOORS_SCHEMA = pa.schema([pa.field("key", pa.string(), nullable=False),
-                                   pa.field("floor", pa.int64(), nullable=False)])
-
-
 def _user_digest(user_id: str) -> str:
+    """Keys the user's version floor (the highest fact version the user ever had deleted, so that a version number
+    is never handed out twice): a deleted user's id is gone, its digest stays."""
     return hashlib.sha256(user_id.encode()).hexdigest()
 
 
@@ -112,19 +112,21 @@ def _stored_fact(row: dict) -> StoredFact:
 class FactStore:
     """Facts and turns of all users in two LanceDB tables keyed by (user_id, fact_id|turn_id).
 
-    Writes are serialized per user (so version bumps are consistent) and committed one at a time;
-    reads run concurrently. Acknowledged writes are committed to disk.
+    Writes are serialized per user (so version bumps are consistent), across replicas too (the coordination
+    store's user lock), and committed one at a time per process; reads run concurrently. Acknowledged writes are
+    committed to the store. Replicas sharing a store keep per-user search caches that are checked against the
+    user's write generation before use, so a write acknowledged by one replica is seen by the next call on any.
     """
 
-    def __init__(self, data_dir: Path, embedding_model: str, embedding_dim: int,
-                 search_cache_bytes: int = 256 << 20) -> None:
-        self._data_dir = data_dir
+    def __init__(self, location: StoreLocation, coordination: CoordinationStore, embedding_model: str,
+                 embedding_dim: int, search_cache_bytes: int = 256 << 20) -> None:
+        self._location = location
+        self._coordination = coordination
+        self._shared = coordination.shared or location.shared
         self._embedding_model = embedding_model
         self._dim = embedding_dim
         self._facts: lancedb.table.AsyncTable | None = None
         self._turns: lancedb.table.AsyncTable | None = None
-        self._floors: lancedb.table.AsyncTable | None = None
-        self._version_floors: dict[str, int] = {}
         self._user_locks = [asyncio.Lock() for _ in range(_USER_LOCK_STRIPES)]
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
@@ -135,30 +137,34 @@ class FactStore:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
-        self._data_dir.mkdir(parents=True, exist_ok=True)
-        self._check_store_meta()
-        db = await lancedb.connect_async(self._data_dir / "lancedb")
+        await asyncio.to_thread(self._check_store_meta)
+        if self._location.local_dir is not None:
+            self._location.local_dir.mkdir(parents=True, exist_ok=True)
+        # Replicas sharing the store see each other's commits: every read checks for a newer table version.
+        db = await lancedb.connect_async(self._location.lancedb_uri, storage_options=self._location.lancedb_options,
+                                         read_consistency_interval=timedelta(0) if self._shared else None)
         existing = set((await db.list_tables()).tables)
         self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
-        self._floors = await self._open_or_create(db, VERSION_FLOORS_TABLE, VERSION_FLOORS_SCHEMA, existing)
-        rows = (await self._floors.query().to_arrow()).to_pylist()
-        self._version_floors = {row["key"]: row["floor"] for row in rows}
+        if LEGACY_VERSION_FLOORS_TABLE in existing:
+            floors = await (await db.open_table(LEGACY_VERSION_FLOORS_TABLE)).query().to_list()
+            for row in floors:
+                await asyncio.to_thread(self._coordination.raise_version_floor, row["key"], row["floor"])
+            await db.drop_table(LEGACY_VERSION_FLOORS_TABLE)
         for table in (self._facts, self._turns):
             await self._ensure_user_index(table)
 
     def _check_store_meta(self) -> None:
-        meta_path = self._data_dir / _STORE_META_FILE
+        """Refuses a store written with another embedding model or dimension."""
         wanted = {"embedding_model": self._embedding_model, "embedding_dim": self._dim}
-        if meta_path.exists():
-            found = json.loads(meta_path.read_text())
-            if found != wanted:
+        legacy = self._location.local_dir / _STORE_META_FILE if self._location.local_dir else None
+        found = [json.loads(legacy.read_text())] if legacy is not None and legacy.exists() else []
+        found.append(json.loads(self._coordination.claim_store_meta("embedding", json.dumps(wanted, sort_keys=True))))
+        for recorded in found:
+            if recorded != wanted:
                 raise StoreMismatch(
-                    f"{self._data_dir} holds embeddings of {found}, not {wanted}: use another --data-dir "
-                    "or the same --embedding-model"
-                )
-        else:
-            meta_path.write_text(json.dumps(wanted))
+                    f"{self._location.describe()} holds embeddings of {recorded}, not {wanted}: use another store "
+                    "(--data-dir, --store-uri) or the same --embedding-model")
 
     @staticmethod
     async def _open_or_create(
@@ -208,14 +214,38 @@ class FactStore:
 
     @asynccontextmanager
     async def _user_writes(self, user_id: str) -> AsyncIterator[None]:
-        """Serializes the user's writes. A write that fails drops the user's cached facts: it may have committed
-        in part, and a cached entry must hold exactly the committed facts (ingest trusts it)."""
+        """Serializes the user's writes, in this process and (shared store) across replicas. A write that fails
+        drops the user's cached facts: it may have committed in part, and a cached entry must hold exactly the
+        committed facts (ingest trusts it)."""
         async with self._user_locks[zlib.crc32(user_id.encode()) % _USER_LOCK_STRIPES]:
+            lock = self._coordination.user_lock(user_id) if self._shared else None
+            if lock is not None:
+                await asyncio.to_thread(lock.__enter__)
             try:
                 yield
             except BaseException:
                 self._search_cache.invalidate(user_id)
                 raise
+            finally:
+                if lock is not None:
+                    await asyncio.to_thread(lock.__exit__, None, None, None)
+
+    async def _written(self, user_id: str) -> int:
+        """Counts an acknowledged write of the user (shared stores: other replicas' caches of it become stale);
+        returns the new write generation (0 for a store of its own)."""
+        if not self._shared:
+            return 0
+        return await asyncio.to_thread(self._coordination.bump_write_generation, user_id)
+
+    async def _current_entry(self, user_id: str) -> UserFacts | None:
+        """The user's cached facts if they reflect the latest write (shared stores ask the coordination store)."""
+        cached = self._search_cache.get(user_id)
+        if cached is None or not self._shared:
+            return cached
+        if cached.store_generation != await asyncio.to_thread(self._coordination.write_generation, user_id):
+            self._search_cache.invalidate(user_id)
+            return None
+        return cached
 
     async def _commit(self, table: lancedb.table.AsyncTable, rows: pa.Table, all_new: bool = False) -> None:
         """Upserts `rows` by key. `all_new`: the caller checked, under the user's write lock, that no key exists,
@@ -234,7 +264,7 @@ class FactStore:
         """fact_id -> (content_hash, version, created_at_us) for the ids the user has: from the user's cached facts
         when cached (callers hold the user's write lock, so the entry is current), else from LanceDB (a filtered
         scan: ~50 ms of CPU at 100k rows with unindexed ones, taken from concurrent queries)."""
-        cached = self._search_cache.get(user_id)
+        cached = await self._current_entry(user_id)
         if cached is not None:
             return cached.versions(set(fact_ids))
         rows = await (
@@ -259,10 +289,13 @@ class FactStore:
             results: list[IngestResult] = []
             to_write: list[tuple[NewFact, int, int]] = []
             now = _now_us()
-            first_version = self._version_floors.get(_user_digest(user_id), 0) + 1
+            first_version = None
             for fact in facts:
                 previous = existing.get(fact.fact_id)
                 if previous is None:
+                    if first_version is None:
+                        first_version = await asyncio.to_thread(
+                            self._coordination.version_floor, _user_digest(user_id)) + 1
                     results.append(IngestResult(fact.fact_id, first_version, IngestOutcome.CREATED))
                     to_write.append((fact, first_version, now))
                 elif previous[0] == fact.content_hash:
@@ -300,7 +333,7 @@ class FactStore:
                 await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)),
                                    all_new=len(to_write) == created)
                 self._search_cache.upsert(
-                    user_id, [fact_row(record) for record in records], vectors)
+                    user_id, [fact_row(record) for record in records], vectors, await self._written(user_id))
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -312,7 +345,7 @@ class FactStore:
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
         LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user)."""
-        cached = self._search_cache.get(user_id)
+        cached = await self._current_entry(user_id)
         if cached is None and self._search_cache.may_hold(user_id):
             cached = await asyncio.shield(self._shared_user_read(user_id))  # a cancelled caller leaves it running
         if cached is not None:
@@ -353,11 +386,15 @@ class FactStore:
         return facts
 
     async def _user_facts(self, user_id: str) -> UserFacts:
+        # The write generation is taken before the read: a write landing in between makes the entry look stale.
+        store_generation = (await asyncio.to_thread(self._coordination.write_generation, user_id)
+                            if self._shared else 0)
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
             [*FACT_ROW_COLUMNS, "vector"]).to_arrow()
         vectors = table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS)))
-        return UserFacts(rows, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(rows), self._dim))
+        return UserFacts(rows, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(rows), self._dim),
+                         store_generation)
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -387,6 +424,7 @@ class FactStore:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
                     self._writes_since_optimize += 1
                 self._search_cache.invalidate(user_id)
+                await self._written(user_id)
             return found
 
     async def delete_user(self, user_id: str) -> tuple[int, int]:
@@ -405,17 +443,12 @@ class FactStore:
                     await self._turns_table.delete(condition)
                 self._writes_since_optimize += 1
             self._search_cache.invalidate(user_id)
+            await self._written(user_id)
             return facts, turns
 
     async def _raise_version_floor(self, user_id: str, version: int) -> None:
         """Records, before the facts go, that the user's versions up to `version` are used up."""
-        key = _user_digest(user_id)
-        if version <= self._version_floors.get(key, 0):
-            return
-        rows = pa.Table.from_pylist([{"key": key, "floor": version}], schema=VERSION_FLOORS_SCHEMA)
-        async with self._commit_lock:
-            await self._floors.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
-        self._version_floors[key] = version
+        await asyncio.to_thread(self._coordination.raise_version_floor, _user_digest(user_id), version)
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:
         """(user_id, fact_id, version) of every stored fact."""
@@ -461,6 +494,7 @@ class FactStore:
         )
         async with self._user_writes(user_id):
             await self._commit(self._turns_table, rows)
+            await self._written(user_id)
         return len(turns)
 
     # ------------------------------------------------------------------ stats

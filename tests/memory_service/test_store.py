@@ -9,8 +9,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from memory_service.coordination import CoordinationStore
 from memory_service.models import IngestOutcome, NewFact
+from memory_service.object_store import S3Settings, StoreLocation
 from memory_service.search_cache import FACT_ROW_COLUMNS
+from memory_service.sql import SqliteDatabase
 from memory_service.store import FactStore, facts_schema
 
 DIM = 4
@@ -24,12 +27,17 @@ async def _axis_embed(texts: list[str]) -> np.ndarray:
     return vectors
 
 
+def _local_store(data_dir) -> FactStore:
+    coordination = CoordinationStore(SqliteDatabase(data_dir / "kv" / "index.sqlite"))
+    return FactStore(StoreLocation.parse("", data_dir, S3Settings()), coordination, "test-embedder", DIM)
+
+
 def _query(axis: int) -> np.ndarray:
     return np.eye(DIM, dtype=np.float32)[axis]
 
 
 async def _store_with_facts(tmp_path) -> tuple[FactStore, list[int]]:
-    store = FactStore(tmp_path, "test-embedder", DIM)
+    store = _local_store(tmp_path)
     await store.open()
     await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact") for i in range(3)], _axis_embed)
     store._search_cache.invalidate("u")  # cold, as after a restart
@@ -80,7 +88,7 @@ def test_a_cached_row_holds_every_stored_column_but_the_key_and_the_vector() -> 
 
 
 async def _cached_store(tmp_path) -> FactStore:
-    store = FactStore(tmp_path, "test-embedder", DIM)
+    store = _local_store(tmp_path)
     await store.open()
     await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact") for i in range(2)], _axis_embed)
     await store.search("u", _query(0), 1)
