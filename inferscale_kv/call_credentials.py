@@ -1,6 +1,11 @@
 """How workers and inference nodes reach the memory service: a bearer token as `authorization` call metadata, and
 TLS (mutual when a client certificate is given) on the channel.
 
+The address may name every replica at once: `dns:///memory-service.inferscale:50051` (a Kubernetes headless
+Service), or `ipv4:10.0.0.1:50051,10.0.0.2:50051`. Calls are spread over the replicas (round robin), and a call that
+fails UNAVAILABLE (its replica went away) is retried on another; every memory-service call may be repeated
+(ingest and deletes are idempotent, reads have no effect, a repeated lease only leases more).
+
 Both come from the environment only (never flags: flags reach logs and vLLM's printed config), named by the
 caller's role prefix (WORKER or NODE below):
   <ROLE>MEMORY_SERVICE_TOKEN          the bearer token
@@ -12,6 +17,7 @@ caller's role prefix (WORKER or NODE below):
 from __future__ import annotations
 
 import collections
+import json
 import os
 from pathlib import Path
 
@@ -23,6 +29,14 @@ WORKER = "INFERSCALE_WORKER_"
 NODE = "INFERSCALE_NODE_"
 WORKER_TOKEN_ENV = f"{WORKER}MEMORY_SERVICE_TOKEN"
 NODE_TOKEN_ENV = f"{NODE}MEMORY_SERVICE_TOKEN"
+_SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [{"name": [{"service": "inferscale.v1.MemoryService"}],
+                      "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                                      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}],
+})
+REPLICA_OPTIONS: tuple[tuple[str, str | int], ...] = (("grpc.service_config", _SERVICE_CONFIG),
+                                                      ("grpc.enable_retries", 1))
 
 
 def bearer_metadata(role: str) -> tuple[tuple[str, str], ...]:
@@ -67,11 +81,12 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 
 
 def memory_service_channel(address: str, role: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
-    """A (synchronous) channel to the memory service with the role's TLS settings, whose every call carries the
-    role's token, if set."""
+    """A (synchronous) channel to the memory service's replicas with the role's TLS settings, whose every call
+    carries the role's token, if set."""
     credentials = channel_credentials(role)
-    channel = (grpc.secure_channel(address, credentials, options=options or []) if credentials
-               else grpc.insecure_channel(address, options=options or []))
+    options = [*REPLICA_OPTIONS, *(options or [])]
+    channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+               else grpc.insecure_channel(address, options=options))
     metadata = bearer_metadata(role)
     return grpc.intercept_channel(channel, _BearerToken(metadata)) if metadata else channel
 
@@ -79,4 +94,5 @@ def memory_service_channel(address: str, role: str, options: list[tuple[str, int
 def memory_service_aio_channel(address: str, role: str) -> grpc.aio.Channel:
     """The asyncio channel of the same settings; its callers pass `bearer_metadata(role)` per call."""
     credentials = channel_credentials(role)
-    return grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
+    return (grpc.aio.secure_channel(address, credentials, options=REPLICA_OPTIONS) if credentials
+            else grpc.aio.insecure_channel(address, options=REPLICA_OPTIONS))

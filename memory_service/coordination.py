@@ -225,8 +225,8 @@ class CoordinationStore:
 
     def kv_bytes_with_user_prefix(self, prefix: str) -> int:
         """Bytes of stored fact KV, over every profile, of the users whose id starts with `prefix`."""
-        return self._query("SELECT coalesce(sum(nbytes), 0) FROM kv_entries WHERE substr(user_id, 1, ?) = ? "
-                           "AND user_id != ?", [len(prefix), prefix, HEADER_OWNER])[0][0]
+        return self._query("SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM kv_entries "
+                           "WHERE substr(user_id, 1, ?) = ? AND user_id != ?", [len(prefix), prefix, HEADER_OWNER])[0][0]
 
     def counts(self, profile_id: str, user_id: str = "") -> QueueCounts:
         user_filter, params = (" AND user_id = ?", [user_id]) if user_id else ("", [])
@@ -237,8 +237,8 @@ class CoordinationStore:
         oldest = self._query(f"SELECT min(enqueued_at) FROM jobs WHERE profile_id = ? AND state != 'failed'{user_filter}",
                              [profile_id, *params])[0][0]
         done, kv_bytes = self._query(
-            "SELECT count(*), coalesce(sum(nbytes), 0) FROM kv_entries WHERE profile_id = ? AND user_id != ?"
-            f"{user_filter}", [profile_id, HEADER_OWNER, *params])[0]
+            "SELECT count(*), CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM kv_entries WHERE profile_id = ? "
+            f"AND user_id != ?{user_filter}", [profile_id, HEADER_OWNER, *params])[0]
         return QueueCounts(queued=states.get(QUEUED, 0), leased=states.get(LEASED, 0), failed=states.get(FAILED, 0),
                            done=done, kv_bytes=kv_bytes, lag_seconds=max(0.0, now - oldest) if oldest else 0.0)
 

@@ -25,11 +25,14 @@ def shared_embedding_cache_dir() -> Path:
 class MemoryServiceProcess:
     """A memory service on free loopback ports; `start` returns once health says SERVING."""
 
-    def __init__(self, data_dir: Path, log_path: Path, *extra_args: str, health_port: bool = False) -> None:
-        """`health_port`: serve health alone in plaintext on its own port and wait on that one (for TLS runs)."""
+    def __init__(self, data_dir: Path, log_path: Path, *extra_args: str, health_port: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        """`health_port`: serve health alone in plaintext on its own port and wait on that one (for TLS runs);
+        `env`: added to the process's environment (e.g. object-store credentials)."""
         self.data_dir = data_dir
         self.log_path = log_path
         self.extra_args = extra_args
+        self.env = env or {}
         self.port = free_port()
         self.metrics_port = free_port()
         self.health_port = free_port() if health_port else None
@@ -40,7 +43,7 @@ class MemoryServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> MemoryServiceProcess:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
         # Services started here share one exported embedding model instead of exporting one per data directory.
         env.setdefault("INFERSCALE_EMBEDDING_CACHE_DIR", str(shared_embedding_cache_dir()))
         command = [

@@ -58,9 +58,10 @@ def complete(node: InferenceNodeProcess, prompt: str, memory: dict | None, max_t
 _UPLOADS = itertools.count()
 
 
-def upload_custom_kv(stub, profile: pb.KvProfile, user_id: str, make_kv) -> None:
+def upload_custom_kv(stub, profile: pb.KvProfile, user_id: str, make_kv, complete_stub=None) -> int:
     """Plays a worker for one user's facts: `make_kv(item) -> (keys, values, token_ids)`. Each upload gets a
-    content id of its own (made-up KV is not a function of its tokens)."""
+    content id of its own (made-up KV is not a function of its tokens). Leases through `stub`, completes through
+    `complete_stub` (default: the same); returns the facts accepted."""
     lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="test", profile_id=profile.profile_id, max_facts=64))
     uploads = []
     for item in lease.items:
@@ -73,8 +74,8 @@ def upload_custom_kv(stub, profile: pb.KvProfile, user_id: str, make_kv) -> None
         uploads.append(pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
                                        blob=encode_kv_blob(header, keys, values)))
     assert uploads, f"no leased facts of {user_id}"
-    stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id="test",
-                                                 profile_id=profile.profile_id, results=uploads))
+    return (complete_stub or stub).CompleteKvWork(pb.CompleteKvWorkRequest(
+        lease_id=lease.lease_id, worker_id="test", profile_id=profile.profile_id, results=uploads)).accepted
 
 
 def random_kv(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

