@@ -73,7 +73,8 @@ class ServiceConfig:
     health_port: int = 0
     log_level: str = "info"
     # Shared state for several replicas: PostgreSQL for coordination (empty: SQLite in <data_dir>/kv), an S3 URI for
-    # facts, turns, embeddings and fact KV (empty: <data_dir>); credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY.
+    # facts, turns, embeddings and fact KV (empty: <data_dir>); credentials from AWS_ACCESS_KEY_ID and
+    # AWS_SECRET_ACCESS_KEY.
     coordination_url: str = ""
     store_uri: str = ""
     s3_endpoint: str = ""

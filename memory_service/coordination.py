@@ -135,7 +135,8 @@ class CoordinationStore:
                            (profile_id, now, max_facts))
             for user, fact, _ in rows:
                 tx.run("UPDATE jobs SET state = 'leased', lease_id = ?, lease_expires = ?, attempts = attempts + 1 "
-                       "WHERE profile_id = ? AND user_id = ? AND fact_id = ?", (lease_id, expires, profile_id, user, fact))
+                       "WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
+                       (lease_id, expires, profile_id, user, fact))
         return lease_id, expires, [Job(profile_id, user, fact, version) for user, fact, version in rows]
 
     def job_version(self, profile_id: str, user_id: str, fact_id: str) -> int | None:
@@ -226,7 +227,8 @@ class CoordinationStore:
     def kv_bytes_with_user_prefix(self, prefix: str) -> int:
         """Bytes of stored fact KV, over every profile, of the users whose id starts with `prefix`."""
         return self._query("SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM kv_entries "
-                           "WHERE substr(user_id, 1, ?) = ? AND user_id != ?", [len(prefix), prefix, HEADER_OWNER])[0][0]
+                           "WHERE substr(user_id, 1, ?) = ? AND user_id != ?",
+                           [len(prefix), prefix, HEADER_OWNER])[0][0]
 
     def counts(self, profile_id: str, user_id: str = "") -> QueueCounts:
         user_filter, params = (" AND user_id = ?", [user_id]) if user_id else ("", [])
