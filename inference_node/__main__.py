@@ -16,6 +16,7 @@ from pathlib import Path
 
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
 from inference_node.settings import SETTINGS_ENV, NodeSettings
+from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import KV_DTYPES
 
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
     parser.add_argument("--load-stats-path", default=_env("load_stats_path", ""),
                         help="benchmarks only: append per-load timings (JSON lines; synchronizes the device per load)")
+    parser.add_argument("--embed-queries-locally", action="store_true",
+                        default=str(_env("embed_queries_locally", "")).lower() in ("1", "true", "yes"),
+                        help="embed each query on this node's device and send the vector with RetrieveAndStage "
+                        "(the memory service then spends no CPU on it)")
+    parser.add_argument("--embedding-model", default=_env("embedding_model", DEFAULT_EMBEDDING_MODEL),
+                        help="the memory service's --embedding-model (for --embed-queries-locally)")
     parser.add_argument("--user-header", default=_env("user_header", ""),
                         help="request header naming the caller's user (set by your authenticating gateway); when set, "
                         "memory.user_id must equal it")
@@ -93,7 +100,8 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
                             default_top_k=args.memory_top_k, recompute_tail_facts=args.recompute_tail_facts,
                             synchronous_loads=synchronous_loads, retrieve_timeout_s=args.retrieve_timeout_s,
                             fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path,
-                            user_header=args.user_header)
+                            user_header=args.user_header, embed_queries_locally=args.embed_queries_locally,
+                            embedding_model=args.embedding_model)
     if args.recompute_tail_facts > settings.max_top_k:
         raise SystemExit(f"inference_node: --recompute-tail-facts must be at most {settings.max_top_k} (the most facts "
                          "a request may retrieve)")

@@ -32,6 +32,7 @@ from prometheus_client import Counter, Histogram
 
 from inference_node.memory_prompt import FACT_ORDERS, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
+from inference_node.query_embedding import LocalQueryEmbedder
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
@@ -129,6 +130,8 @@ class MemoryMiddleware:
         self._call_metadata: tuple[tuple[str, str], ...] = ()
         self._profile = pb.KvProfile(**self.settings.profile)
         self._signer = PlanSigner(plan_secret_from_env())
+        self._query_embedder = (LocalQueryEmbedder(self.settings.embedding_model)
+                                if self.settings.embed_queries_locally else None)
 
     def _prepare(self) -> None:
         if self._tokenizer is None:
@@ -193,13 +196,17 @@ class MemoryMiddleware:
 
     async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, summary: dict[str, Any]) -> None:
         self._prepare()
-        query = query_of(payload, path) or " "
+        query = (query_of(payload, path) or " ")[:2000]
         started = time.perf_counter()
+        request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k,
+                                             profile=self._profile, node_id=self.settings.node_id)
+        if self._query_embedder is not None:
+            vector, model_id = await self._query_embedder.embed(query)
+            request.query_vector.extend(vector)
+            request.embedding_model_id = model_id
         try:
-            response = await self._stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-                user_id=memory.user_id, query=query[:2000], top_k=memory.top_k, profile=self._profile,
-                node_id=self.settings.node_id), timeout=self.settings.retrieve_timeout_s,
-                metadata=self._call_metadata)
+            response = await self._stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
+                                                         metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)

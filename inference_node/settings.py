@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
+
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
 
 
@@ -37,6 +39,9 @@ class NodeSettings:
     synthetic_kv: bool = False
     # When set, the worker-side connector appends one JSON line per load (tokens, milliseconds) to this file.
     load_stats_path: str = ""
+    # Embed queries on the node (with this model, the memory service's) and send the vector with RetrieveAndStage.
+    embed_queries_locally: bool = False
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL
     # When set, a request's memory.user_id must equal this request header's value, set by the authenticating
     # gateway in front of the node; requests without it, or naming another user, get HTTP 403.
     user_header: str = ""

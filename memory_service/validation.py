@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
 from memory_service.models import NewFact, NewTurn
@@ -64,6 +66,20 @@ def validate_text(value: str, field: str, max_chars: int) -> str:
     if len(value) > max_chars:
         raise LimitExceeded(field, f"{len(value)} characters exceeds the limit of {max_chars}")
     return value
+
+
+def validate_query_vector(vector, model_id: str, service_model_id: str, dim: int) -> np.ndarray:
+    """A caller's query embedding as a unit float32 vector, if it comes from the service's model."""
+    if model_id != service_model_id:
+        raise InvalidArgument("embedding_model_id", f"{model_id!r} is not this service's embedding model "
+                              f"{service_model_id!r} (GetStats names it)")
+    values = np.asarray(vector, dtype=np.float32)
+    if values.shape != (dim,):
+        raise InvalidArgument("query_vector", f"has {values.size} values; the model's vectors have {dim}")
+    norm = float(np.linalg.norm(values))
+    if not np.isfinite(values).all() or norm == 0.0:
+        raise InvalidArgument("query_vector", "must be finite and not all zero")
+    return values / norm
 
 
 def derived_fact_id(text: str) -> str:

@@ -72,6 +72,9 @@ CASES = [
     ("SearchFacts", pb.SearchFactsRequest(user_id=OWNER, query="q" * (LIMITS.max_query_chars + 1)), EXHAUSTED,
      "query"),
     ("SearchFacts", pb.SearchFactsRequest(user_id=OWNER, query="x", top_k=-1), INVALID, "top_k"),
+    ("SearchFacts", pb.SearchFactsRequest(user_id=OWNER, query_vector=[1.0] * 384, embedding_model_id="other@1"),
+     INVALID, "embedding_model_id"),
+    ("SearchFacts", pb.SearchFactsRequest(user_id=OWNER, query_vector=[1.0] * 384), INVALID, "embedding_model_id"),
     ("SearchFacts", pb.SearchFactsRequest(user_id=OWNER, query="x", top_k=2**31 - 1), EXHAUSTED, "top_k"),
     ("RetrieveAndStage", pb.RetrieveAndStageRequest(user_id=OWNER, query="x", node_id="n"), INVALID,
      "profile.model"),
@@ -127,3 +130,16 @@ def test_bad_request_gets_the_right_status_names_the_field_and_changes_nothing(
 def test_service_still_answers_after_every_bad_request(seeded) -> None:
     response = seeded.SearchFacts(pb.SearchFactsRequest(user_id=OWNER, query="cat"))
     assert response.facts[0].fact.fact_id == "pet"
+
+
+def _service_model_id(stub) -> str:
+    return stub.GetStats(pb.GetStatsRequest()).embedding_model_id
+
+
+@pytest.mark.parametrize(("vector", "field"), [([1.0] * 383, "query_vector"), ([0.0] * 384, "query_vector"),
+                                                ([float("nan")] * 384, "query_vector")])
+def test_a_callers_query_vector_of_the_services_model_but_not_a_usable_vector_is_invalid(stub, vector, field):
+    with pytest.raises(grpc.RpcError) as error:
+        stub.SearchFacts(pb.SearchFactsRequest(user_id=OWNER, query_vector=vector,
+                                               embedding_model_id=_service_model_id(stub)))
+    assert error.value.code() == INVALID and field in error.value.details()

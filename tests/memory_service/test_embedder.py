@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memory_service.config import DEFAULT_EMBEDDING_MODEL
+from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from memory_service.embedder import INGEST_NICE, Embedder
 from memory_service.launcher import shared_embedding_cache_dir
 

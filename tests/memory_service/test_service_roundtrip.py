@@ -1,9 +1,11 @@
 """Round trips through a real memory service process (real LanceDB, real embedding model)."""
 
+import asyncio
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.profile import kv_profile_id
@@ -176,3 +178,17 @@ def test_metrics_endpoint_counts_calls_by_method_and_code(stub, memory_service) 
     assert 'inferscale_rpc_requests_total{code="INVALID_ARGUMENT",method="SearchFacts"}' in body
     assert "inferscale_facts_stored" in body
     assert "inferscale_rpc_duration_seconds_bucket" in body
+
+
+def test_a_query_embedded_by_the_caller_with_the_services_model_finds_what_its_text_finds(stub) -> None:
+    from inference_node.query_embedding import LocalQueryEmbedder
+
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-vector", facts=PET_FACTS))
+    stats = stub.GetStats(pb.GetStatsRequest())
+    vector, model_id = asyncio.run(LocalQueryEmbedder(stats.embedding_model).embed("dog"))
+    assert model_id == stats.embedding_model_id and model_id.startswith(stats.embedding_model + "@")
+    by_text = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query="dog", top_k=3)).facts
+    by_vector = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query_vector=vector,
+                                                       embedding_model_id=model_id, top_k=3)).facts
+    assert [f.fact.fact_id for f in by_vector] == [f.fact.fact_id for f in by_text]
+    assert [f.score for f in by_vector] == pytest.approx([f.score for f in by_text], abs=1e-4)

@@ -1,0 +1,40 @@
+"""Query embeddings computed on the node's own device (`--embed-queries-locally`), with the memory service's
+embedding model: RetrieveAndStage then carries the vector and the model's id, and the service skips its own
+embedding (the bulk of its CPU per call)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from inferscale_kv.embedding_model import embedding_model_id, resolve_model_path
+
+
+class LocalQueryEmbedder:
+    """sentence-transformers on the node's device (CUDA when present), one query at a time on a thread of its own
+    (the API server's event loop never waits on the model)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.model_id = ""
+        self._encoder = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-query-embed")
+
+    def _load(self) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._encoder = SentenceTransformer(str(resolve_model_path(self.model)), device=device)
+        self.model_id = embedding_model_id(self.model)
+
+    def _embed(self, text: str) -> list[float]:
+        if self._encoder is None:
+            self._load()
+        return self._encoder.encode([text], normalize_embeddings=True, convert_to_numpy=True,
+                                    show_progress_bar=False)[0].tolist()
+
+    async def embed(self, text: str) -> tuple[list[float], str]:
+        """(the query's unit embedding, the model's id)."""
+        vector = await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, text)
+        return vector, self.model_id
