@@ -9,11 +9,15 @@ sends its next call as soon as the last one answers (closed loop), which measure
 behind the other callers, by Little's law callers / throughput. Paced: the same callers each pause an exponential
 think time between calls, so together they offer a fixed rate below capacity (a fleet of nodes sending requests as
 users arrive); its latency is the service time at that load. Throughput and latency are reported, never asserted;
-errors, isolation and memory growth are."""
+errors, isolation and memory growth are.
+
+The replica mode runs the same load against three replicas on a real PostgreSQL and a real S3-compatible store
+(SeaweedFS), reached through one address as nodes reach them (round robin); memory is the replicas' sum."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -27,8 +31,10 @@ import pytest
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.launcher import MemoryServiceProcess
+from tests.servers import postgres_server, seaweedfs_s3
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
@@ -189,9 +195,10 @@ async def _warm_up(stub, shape: LoadShape) -> float:
     return time.perf_counter() - started
 
 
-async def _run(service: MemoryServiceProcess, shape: LoadShape) -> LoadReport:
+async def _run(services: list[MemoryServiceProcess], shape: LoadShape) -> LoadReport:
     report = LoadReport(shape=shape)
-    async with grpc.aio.insecure_channel(service.address) as channel:
+    target = services[0].address if len(services) == 1 else "ipv4:" + ",".join(s.address for s in services)
+    async with grpc.aio.insecure_channel(target, options=REPLICA_OPTIONS) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
         await _populate(stub, shape)
         report.warmup_s = await _warm_up(stub, shape)
@@ -199,7 +206,7 @@ async def _run(service: MemoryServiceProcess, shape: LoadShape) -> LoadReport:
 
         async def memory_sampler() -> None:
             while running:
-                report.rss_mib.append(round(_rss_mib(service.process.pid), 1))
+                report.rss_mib.append(round(sum(_rss_mib(service.process.pid) for service in services), 1))
                 await asyncio.sleep(1.0)
 
         sampler = asyncio.create_task(memory_sampler())
@@ -211,13 +218,26 @@ async def _run(service: MemoryServiceProcess, shape: LoadShape) -> LoadReport:
     return report
 
 
-def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float) -> dict:
-    service = MemoryServiceProcess(tmp_path / "data", tmp_path / "service.log", "--embedding-threads", "2").start()
-    try:
-        report = asyncio.run(_run(service, shape))
-    finally:
-        service.stop()
-    summary = report.summary()
+def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float, replicas: int = 1) -> dict:
+    with contextlib.ExitStack() as stack:
+        shared_flags, env = [], {}
+        if replicas > 1:
+            url = stack.enter_context(postgres_server(tmp_path / "postgres"))
+            s3 = stack.enter_context(seaweedfs_s3(tmp_path / "s3"))
+            s3.create_bucket("load")
+            shared_flags = ["--coordination-url", url, "--store-uri", "s3://load/service", "--s3-endpoint", s3.url,
+                            "--s3-allow-http"]
+            env = s3.environment()
+        # With replicas sharing the machine's 2 cores, each gets one embedding thread.
+        threads = "2" if replicas == 1 else "1"
+        services = []
+        for index in range(replicas):
+            service = MemoryServiceProcess(tmp_path / f"data-{index}", tmp_path / f"service-{index}.log",
+                                           "--embedding-threads", threads, *shared_flags, env=env)
+            stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
+            services.append(service.start())
+        report = asyncio.run(_run(services, shape))
+    summary = {**report.summary(), "replicas": replicas}
     output = REPO_ROOT / "results" / "load"
     output.mkdir(parents=True, exist_ok=True)
     (output / f"{name}.json").write_text(json.dumps(summary, indent=2))
@@ -237,9 +257,23 @@ def test_short_load_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
                max_rss_growth=0.25)
 
 
+def test_short_load_on_three_replicas_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
+    phases = (Phase("saturation", 6, offered_rps=None), Phase("paced", 6, offered_rps=25))
+    _load_test(tmp_path, LoadShape(users=40, facts_per_user=20, callers=50, phases=phases), "short-3-replicas",
+               max_rss_growth=0.25, replicas=3)
+
+
 @pytest.mark.slow
 def test_full_load_200_callers_1000_users_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
     phases = (Phase("saturation", 60, offered_rps=None),
               *(Phase(f"paced-{rps}rps", 60, offered_rps=rps) for rps in FULL_PACED_RPS))
     _load_test(tmp_path, LoadShape(users=1000, facts_per_user=100, callers=200, phases=phases), "full",
                max_rss_growth=0.10)
+
+
+@pytest.mark.slow
+def test_full_load_on_three_replicas_has_no_errors_no_cross_user_fact_and_flat_memory(tmp_path):
+    phases = (Phase("saturation", 60, offered_rps=None),
+              *(Phase(f"paced-{rps}rps", 60, offered_rps=rps) for rps in FULL_PACED_RPS))
+    _load_test(tmp_path, LoadShape(users=1000, facts_per_user=100, callers=200, phases=phases), "full-3-replicas",
+               max_rss_growth=0.10, replicas=3)
