@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from inference_node.crossover import measured_crossover, shape_key
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_env("synchronous_loads", "auto"),
                         help="load node-cache-resident KV synchronously; auto: on for CPU, off on CUDA (vLLM 0.26 "
                         "recomputes a refused synchronous load wrongly there)")
+    parser.add_argument("--kv-crossover-tokens", type=int, default=int(_env("kv_crossover_tokens", -1)),
+                        help="serve a memory shorter than this (injectable tokens) as text, where injecting it is "
+                        "slower; -1: the crossover measured for this model, dtype and device (kv_crossover.json), 0 "
+                        "if none was")
     parser.add_argument("--recompute-tail-facts", type=int, default=int(_env("recompute_tail_facts", 0)),
                         help="kv mode: prefill the m facts nearest the question as text after the injected ones")
     parser.add_argument("--retrieve-timeout-s", type=float, default=float(_env("retrieve_timeout_s", 2.0)),
@@ -88,16 +93,21 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
         raise SystemExit(f"inference_node: --model: {args.model!r} is not a local model folder")
     if args.recompute_tail_facts < 0:
         raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     model_dir = Path(args.model)
     profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), args.kv_dtype,
                                   args.context_window, args.model_name)
     device_bytes = cuda_device_bytes()
     synchronous_loads = device_bytes is None if args.synchronous_loads == "auto" else args.synchronous_loads == "on"
+    crossover = args.kv_crossover_tokens
+    if crossover < 0:
+        key = shape_key(AutoConfig.from_pretrained(model_dir), _flag(vllm_args, "--dtype") or "auto", device_name())
+        crossover = measured_crossover(key) or 0
     settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
                             profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
                             default_top_k=args.memory_top_k, recompute_tail_facts=args.recompute_tail_facts,
+                            kv_crossover_tokens=crossover,
                             synchronous_loads=synchronous_loads, retrieve_timeout_s=args.retrieve_timeout_s,
                             fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path,
                             user_header=args.user_header, embed_queries_locally=args.embed_queries_locally,
@@ -111,6 +121,23 @@ def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings
                *vllm_args, "--kv-transfer-config", json.dumps(transfer),
                "--middleware", "inference_node.middleware.MemoryMiddleware", "--enable-prompt-tokens-details"]
     return command, settings
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of `name` among vLLM's flags (`--name value` or `--name=value`), if given."""
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def device_name() -> str:
+    """"cpu", or the first CUDA device's name."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def cuda_device_bytes() -> int | None:

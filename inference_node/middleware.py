@@ -69,6 +69,7 @@ class MemoryRequest:
     mode: str  # kv | text | off
     order: str  # FACT_ORDERS: ranked (best last) | created (stable per user)
     recompute_tail_facts: int  # kv mode: facts nearest the question prefilled as text
+    kv_crossover_tokens: int  # kv mode: a shorter injectable memory is served as text
 
 
 def _int_field(memory: dict, name: str, default: int, low: int, high: int) -> int:
@@ -92,7 +93,8 @@ def parse_memory(memory: Any, settings: NodeSettings) -> MemoryRequest:
         raise MemoryRequestError(f"memory.order: must be one of {', '.join(FACT_ORDERS)}")
     top_k = _int_field(memory, "top_k", settings.default_top_k, 1, settings.max_top_k)
     tail = _int_field(memory, "recompute_tail_facts", settings.recompute_tail_facts, 0, settings.max_top_k)
-    return MemoryRequest(user_id, top_k, mode, order, tail)
+    crossover = _int_field(memory, "kv_crossover_tokens", settings.kv_crossover_tokens, 0, 1 << 20)
+    return MemoryRequest(user_id, top_k, mode, order, tail, crossover)
 
 
 def _single_header(scope: Scope, name: str) -> str | None:
@@ -230,17 +232,22 @@ class MemoryMiddleware:
         summary.update(facts=len(plan.facts), stage_ms=round(stage_seconds * 1000, 2), order=memory.order)
         if not response.header_content_id:
             summary.update(header_kv="missing")
-        if memory.mode == "kv" and response.header_content_id:
+        inject = memory.mode == "kv" and bool(response.header_content_id)
+        if inject and plan.injectable_tokens < memory.kv_crossover_tokens:
+            # Shorter than the crossover: prefilling it is faster than injecting it.
+            inject = False
+            summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
+        if inject:
             payload["kv_transfer_params"] = self._signer.kv_transfer_params(plan.plan)
             payload["cache_salt"] = self._signer.cache_salt(plan.plan)
-        else:  # the memory is prefilled: reusable by this user's requests only
-            payload["cache_salt"] = self._signer.user_salt(self.settings.profile_id, memory.user_id)
-        if memory.mode == "kv":
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
             FACTS_PLACED.labels(how="text").inc(len(plan.facts) - plan.kv_facts)
-        else:
+        else:  # the memory is prefilled: reusable by this user's requests only
+            payload["cache_salt"] = self._signer.user_salt(self.settings.profile_id, memory.user_id)
             FACTS_PLACED.labels(how="text").inc(len(plan.facts))
+        if memory.mode == "kv" and not inject:
+            summary.update(kv_facts=0, injectable_tokens=0)
 
 
 async def _read_body(receive: Callable) -> bytes:

@@ -34,6 +34,9 @@ class NodeSettings:
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).
     recompute_tail_facts: int = 0
+    # kv mode: a memory whose injectable part is shorter than this (tokens) is served as text, where injecting it
+    # was measured slower than prefilling it (inference_node.crossover); a request may ask for another value.
+    kv_crossover_tokens: int = 0
     # Speed runs only: fact KV of the right shape is made up on a node-cache miss instead of fetched, so the
     # engine side can be measured without a memory service. Never set in serving (benchmarks say it when set).
     synthetic_kv: bool = False

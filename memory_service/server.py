@@ -33,6 +33,10 @@ def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
                                        root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
+CONNECTION_AGE_S = 300
+CONNECTION_AGE_GRACE_S = 30
+
+
 async def _optimize_periodically(servicer: MemoryServicer) -> None:
     """Folds small write fragments together so per-user scans stay fast as ingests accumulate."""
     while True:
@@ -69,11 +73,15 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     metrics = ServiceMetrics()
     servicer = MemoryServicer(config, metrics)
     health = health_aio.HealthServicer()
-    message_limits = [
+    options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        # Connections are closed (gracefully) after a few minutes, so clients resolve the replicas' address again
+        # and spread over replicas added since: gRPC's DNS resolver looks again only when a connection closes.
+        ("grpc.max_connection_age_ms", CONNECTION_AGE_S * 1000),
+        ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_S * 1000),
     ]
-    server = grpc.aio.server(options=message_limits)
+    server = grpc.aio.server(options=options)
     memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

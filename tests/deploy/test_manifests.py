@@ -1,14 +1,17 @@
 """deploy/: the Kubernetes manifests validate offline, and every port, probe, flag and environment name in them is
-one the programs accept; the Dockerfiles lint clean and name only paths and programs that exist."""
+one the programs accept; the memory service runs as replicas sharing PostgreSQL and an object store, whose in-cluster
+stand-ins the shared-state Secret names; the Dockerfiles lint clean and name only paths and programs that exist."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -19,10 +22,19 @@ MANIFESTS = sorted((REPO_ROOT / "deploy" / "k8s").glob("*.yaml"))
 DOCKERFILES = sorted((REPO_ROOT / "deploy" / "docker").glob("*.Dockerfile"))
 KUBERNETES_VERSION = "1.31.0"
 NAMESPACE = "inferscale"
+WORKLOAD_KINDS = ("StatefulSet", "Deployment")
+SHARED_STATE_SECRET = "memory-service-shared-state"
+# The in-cluster stores for trying it out: third-party images, not built from deploy/docker/.
+STORES = ("postgres", "seaweedfs")
+OBJECT_STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def _objects_by_file() -> list[tuple[Path, dict]]:
+    return [(path, doc) for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def _objects() -> list[dict]:
-    return [doc for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [obj for _, obj in _objects_by_file()]
 
 
 def _find(kind: str, name: str) -> dict:
@@ -37,13 +49,31 @@ def _container(kind: str, name: str) -> dict:
 
 
 def _environment(container: dict) -> dict[str, str]:
-    """The container's environment as the program sees it: its ConfigMaps, then its own literal values."""
+    """The container's environment as the program sees it: its ConfigMaps and Secrets (in order, a later one winning),
+    then its own values (a Secret's key resolved; the downward API's and optional Secrets' as placeholders)."""
     environment: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        environment.update(_find("ConfigMap", source["configMapRef"]["name"])["data"])
+        if "configMapRef" in source:
+            environment.update(_find("ConfigMap", source["configMapRef"]["name"])["data"])
+        else:
+            environment.update(_find("Secret", source["secretRef"]["name"])["stringData"])
     for entry in container.get("env", []):
-        environment[entry["name"]] = entry.get("value", "from-the-downward-api")
+        reference = entry.get("valueFrom", {}).get("secretKeyRef")
+        if reference and not reference.get("optional"):
+            environment[entry["name"]] = _find("Secret", reference["name"])["stringData"][reference["key"]]
+        else:
+            environment[entry["name"]] = entry.get("value", "from-the-downward-api-or-an-optional-secret")
     return environment
+
+
+def _memory(quantity: str) -> int:
+    """A Kubernetes memory quantity (binary suffixes, as the manifests write them) in bytes."""
+    number, suffix = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", quantity).groups()
+    return int(number) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[suffix]
+
+
+def _service_port(name: str, port_name: str) -> int:
+    return next(port["port"] for port in _find("Service", name)["spec"]["ports"] if port["name"] == port_name)
 
 
 def _container_ports(container: dict) -> dict[str, int]:
@@ -90,10 +120,42 @@ def test_apply_order_creates_the_namespace_first_and_everything_lives_in_it():
     assert namespaced and all(obj["metadata"].get("namespace") == NAMESPACE for obj in namespaced)
 
 
+def _referenced_settings(pod: dict) -> set[tuple[str, str, bool]]:
+    """(kind, name, optional) of every ConfigMap and Secret a pod reads."""
+    references = set()
+    for container in pod["containers"]:
+        for source in container.get("envFrom", []):
+            for key, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
+                if key in source:
+                    references.add((kind, source[key]["name"], bool(source[key].get("optional"))))
+        for entry in container.get("env", []):
+            for key, kind in (("configMapKeyRef", "ConfigMap"), ("secretKeyRef", "Secret")):
+                if key in entry.get("valueFrom", {}):
+                    reference = entry["valueFrom"][key]
+                    references.add((kind, reference["name"], bool(reference.get("optional"))))
+    for volume in pod.get("volumes", []):
+        if "secret" in volume:
+            references.add(("Secret", volume["secret"]["secretName"], bool(volume["secret"].get("optional"))))
+        if "configMap" in volume:
+            references.add(("ConfigMap", volume["configMap"]["name"], bool(volume["configMap"].get("optional"))))
+    return references
+
+
+def test_apply_order_creates_settings_and_secrets_before_the_pods_that_read_them():
+    defined_in = {(obj["kind"], obj["metadata"]["name"]): MANIFESTS.index(path) for path, obj in _objects_by_file()}
+    for path, obj in _objects_by_file():
+        if obj["kind"] not in WORKLOAD_KINDS:
+            continue
+        for kind, name, optional in _referenced_settings(obj["spec"]["template"]["spec"]):
+            if optional and (kind, name) not in defined_in:  # created by hand when wanted (deploy/README.md)
+                continue
+            assert defined_in[(kind, name)] < MANIFESTS.index(path), (obj["metadata"]["name"], kind, name)
+
+
 def test_memory_service_config_loader_accepts_the_manifest_and_serves_on_its_ports(monkeypatch):
     from memory_service import config as service_config
 
-    container, _ = _parser_under_manifest_environment("StatefulSet", "memory-service",
+    container, _ = _parser_under_manifest_environment("Deployment", "memory-service",
                                                       ["python", "-m", "memory_service"], "memory_service.config",
                                                       monkeypatch)
     loaded = service_config.load_config(container.get("args", []))
@@ -113,15 +175,146 @@ def test_memory_service_config_loader_accepts_the_manifest_and_serves_on_its_por
     from memory_service.server import SERVICE_NAME
 
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
-    annotations = _find("StatefulSet", "memory-service")["spec"]["template"]["metadata"]["annotations"]
+    annotations = _find("Deployment", "memory-service")["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == loaded.metrics_port
+
+
+def test_memory_service_reads_shared_state_from_the_secret_and_shares_it_between_replicas(monkeypatch):
+    """Every key of the Secret is a flag's environment name or the object store's credentials, and with the Secret the
+    service runs on PostgreSQL and an S3 store (never on each pod's own emptyDir)."""
+    from memory_service import config as service_config
+
+    secret = _find("Secret", SHARED_STATE_SECRET)
+    assert "data" not in secret
+    keys = set(secret["stringData"])
+    assert keys == {"INFERSCALE_COORDINATION_URL", "INFERSCALE_STORE_URI", "INFERSCALE_S3_ENDPOINT",
+                    "INFERSCALE_S3_REGION", "INFERSCALE_S3_ALLOW_HTTP", *OBJECT_STORE_CREDENTIALS}
+    parser = service_config.build_parser()
+    assert _unknown_prefixed_variables(secret["stringData"], service_config.ENV_PREFIX, parser) == []
+    assert {key for key in keys if not key.startswith(service_config.ENV_PREFIX)} == set(OBJECT_STORE_CREDENTIALS)
+    container = _container("Deployment", "memory-service")
+    sources = [source["secretRef"] for source in container["envFrom"] if "secretRef" in source]
+    assert sources == [{"name": SHARED_STATE_SECRET}]  # required: no pod starts without it
+
+    for variable, value in _environment(container).items():
+        monkeypatch.setenv(variable, value)
+    loaded = service_config.load_config(container.get("args", []))
+    assert loaded.coordination_url.startswith("postgresql://")
+    assert loaded.store_uri.startswith("s3://")
+    assert loaded.s3_allow_http is (urlsplit(loaded.s3_endpoint).scheme == "http")
+    from memory_service.object_store import S3Settings
+
+    options = S3Settings(loaded.s3_endpoint, loaded.s3_region, loaded.s3_allow_http).storage_options()
+    assert options["aws_access_key_id"] == secret["stringData"]["AWS_ACCESS_KEY_ID"]
+    assert options["aws_secret_access_key"] == secret["stringData"]["AWS_SECRET_ACCESS_KEY"]
+
+
+def test_shared_state_secret_points_at_the_in_cluster_stores_with_their_credentials():
+    shared = _find("Secret", SHARED_STATE_SECRET)["stringData"]
+    coordination = urlsplit(shared["INFERSCALE_COORDINATION_URL"])
+    postgres = _find("Secret", "postgres-credentials")["stringData"]
+    assert (coordination.hostname, coordination.port) == ("postgres", _service_port("postgres", "postgres"))
+    assert (coordination.username, coordination.password, coordination.path.lstrip("/")) == (
+        postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"], postgres["POSTGRES_DB"])
+    assert [source["secretRef"]["name"] for source in _container("StatefulSet", "postgres")["envFrom"]] == [
+        "postgres-credentials"]
+
+    endpoint = urlsplit(shared["INFERSCALE_S3_ENDPOINT"])
+    assert (endpoint.hostname, endpoint.port) == ("seaweedfs", _service_port("seaweedfs", "s3"))
+    seaweedfs = _container("StatefulSet", "seaweedfs")
+    assert seaweedfs["args"][0] == "mini"
+    buckets = next(arg.split("=", 1)[1] for arg in seaweedfs["args"] if arg.startswith("-bucket="))
+    assert urlsplit(shared["INFERSCALE_STORE_URI"]).hostname in buckets.split(",")
+    s3_port = next(arg.split("=", 1)[1] for arg in seaweedfs["args"] if arg.startswith("-s3.port="))
+    assert int(s3_port) == _container_ports(seaweedfs)["s3"]
+    # SeaweedFS's admin identity is the memory service's key pair, from the same Secret.
+    for variable in OBJECT_STORE_CREDENTIALS:
+        entry = next(entry for entry in seaweedfs["env"] if entry["name"] == variable)
+        assert entry["valueFrom"]["secretKeyRef"] == {"name": SHARED_STATE_SECRET, "key": variable}
+    # The stores come up before the memory service in apply order.
+    order = {obj["metadata"]["name"]: MANIFESTS.index(path) for path, obj in _objects_by_file()
+             if obj["kind"] in WORKLOAD_KINDS}
+    assert order["postgres"] < order["memory-service"] and order["seaweedfs"] < order["memory-service"]
+
+
+def test_in_cluster_stores_keep_their_data_on_a_volume_and_probe_their_own_ports():
+    for name, data_path in (("postgres", "/var/lib/postgresql/data"), ("seaweedfs", "/data")):
+        statefulset = _find("StatefulSet", name)
+        assert statefulset["spec"]["replicas"] == 1
+        (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+        container = _container("StatefulSet", name)
+        assert {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}[data_path] == \
+            claim["metadata"]["name"], name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if "httpGet" in container[probe]:
+                assert container[probe]["httpGet"]["port"] in _container_ports(container), (name, probe)
+            else:
+                assert "pg_isready" in " ".join(container[probe]["exec"]["command"]), (name, probe)
+    postgres = _environment(_container("StatefulSet", "postgres"))
+    # The volume's root may hold lost+found; initdb needs an empty directory.
+    assert Path(postgres["PGDATA"]).parent == Path("/var/lib/postgresql/data")
+
+
+def test_postgres_accepts_the_connections_of_the_most_replicas_the_autoscaler_allows():
+    from memory_service.sql import PostgresDatabase
+
+    per_replica = inspect.signature(PostgresDatabase.__init__).parameters["max_connections"].default
+    args = _container("StatefulSet", "postgres")["args"]
+    settings = dict(args[index + 1].split("=", 1) for index, arg in enumerate(args) if arg == "-c")
+    most_replicas = _find("HorizontalPodAutoscaler", "memory-service")["spec"]["maxReplicas"]
+    assert int(settings["max_connections"]) >= per_replica * most_replicas + 10  # + psql, monitoring
+
+
+def test_memory_service_scales_out_as_a_deployment_with_a_disruption_budget_and_an_autoscaler():
+    assert not [obj for obj in _objects() if obj["kind"] == "StatefulSet" and obj["metadata"]["name"] ==
+                "memory-service"]
+    deployment = _find("Deployment", "memory-service")
+    replicas = deployment["spec"]["replicas"]
+    assert replicas > 1
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+    budget = _find("PodDisruptionBudget", "memory-service")
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    assert "maxUnavailable" not in budget["spec"]
+    assert 1 <= budget["spec"]["minAvailable"] < replicas  # a drain can evict one replica, and never the last
+
+    autoscaler = _find("HorizontalPodAutoscaler", "memory-service")
+    assert autoscaler["apiVersion"] == "autoscaling/v2"
+    assert autoscaler["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                     "name": "memory-service"}
+    assert autoscaler["spec"]["minReplicas"] == replicas
+    assert autoscaler["spec"]["minReplicas"] > budget["spec"]["minAvailable"]
+    assert autoscaler["spec"]["maxReplicas"] > autoscaler["spec"]["minReplicas"]
+    (metric,) = autoscaler["spec"]["metrics"]
+    assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"]["type"] == "Utilization"
+    assert 0 < metric["resource"]["target"]["averageUtilization"] <= 100
+    container = _container("Deployment", "memory-service")
+    assert container["resources"]["requests"]["cpu"]  # utilization is measured against the request
+
+
+def test_memory_service_pods_keep_only_caches_and_fit_them_in_their_memory_limit():
+    pod = _find("Deployment", "memory-service")["spec"]["template"]["spec"]
+    container = _container("Deployment", "memory-service")
+    data_dir = _environment(container)["INFERSCALE_DATA_DIR"]
+    data_volume = next(mount["name"] for mount in container["volumeMounts"] if mount["mountPath"] == data_dir)
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert "emptyDir" in volumes[data_volume]
+    assert not [volume for volume in pod["volumes"] if "persistentVolumeClaim" in volume]
+    settings = _find("ConfigMap", "memory-service-config")["data"]
+    assert "INFERSCALE_KV_DISK_BUDGET_GB" not in settings  # the object store is the durable tier
+    caches = (int(settings["INFERSCALE_KV_HOST_BUDGET_MB"]) + int(settings["INFERSCALE_SEARCH_CACHE_MB"])) << 20
+    limit = _memory(container["resources"]["limits"]["memory"])
+    assert _memory(container["resources"]["requests"]["memory"]) == limit
+    assert caches <= 0.6 * limit  # room for Python, ONNX Runtime, LanceDB and gRPC buffers
 
 
 def test_services_route_to_named_container_ports():
     workloads = {obj["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: obj
-                 for obj in _objects() if obj["kind"] in ("StatefulSet", "Deployment")}
+                 for obj in _objects() if obj["kind"] in WORKLOAD_KINDS}
     services = [obj for obj in _objects() if obj["kind"] == "Service"]
-    assert {service["metadata"]["name"] for service in services} >= {"memory-service", "inference-node"}
+    assert {service["metadata"]["name"] for service in services} >= {
+        "memory-service", "memory-service-headless", "inference-node", *STORES}
     for service in services:
         workload = workloads[service["spec"]["selector"]["app.kubernetes.io/name"]]
         (container,) = workload["spec"]["template"]["spec"]["containers"]
@@ -131,12 +324,20 @@ def test_services_route_to_named_container_ports():
             assert port["port"] == ports[port["targetPort"]], (service["metadata"]["name"], port)
 
 
-def test_memory_service_address_in_the_model_config_is_its_service():
-    service = _find("Service", "memory-service")
-    grpc_port = next(port["port"] for port in service["spec"]["ports"] if port["name"] == "grpc")
+def test_memory_service_address_in_the_model_config_resolves_to_every_replica():
+    """Workers and nodes reach every replica through the headless Service's DNS name (gRPC's dns resolver, round
+    robin); only ready replicas are in its answer."""
+    headless = _find("Service", "memory-service-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert not headless["spec"].get("publishNotReadyAddresses", False)
+    deployment = _find("Deployment", "memory-service")
+    assert headless["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    grpc_port = _service_port("memory-service-headless", "grpc")
+    assert grpc_port == _service_port("memory-service", "grpc")
+    address = f"dns:///memory-service-headless.{NAMESPACE}.svc.cluster.local:{grpc_port}"
     data = _find("ConfigMap", "model-config")["data"]
     for name in ("INFERSCALE_WORKER_MEMORY_SERVICE", "INFERSCALE_NODE_MEMORY_SERVICE"):
-        assert data[name] == f"memory-service:{grpc_port}", name
+        assert data[name] == address, name
 
 
 def test_worker_and_node_agree_on_what_names_the_fact_kv():
@@ -190,20 +391,21 @@ def test_inference_node_probes_health_with_a_startup_allowance_for_model_load():
 
 
 def test_every_pod_runs_as_non_root():
-    for obj in _objects():
-        if obj["kind"] in ("StatefulSet", "Deployment"):
-            pod = obj["spec"]["template"]["spec"]
-            assert pod["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
-            assert pod["securityContext"]["runAsUser"] != 0, obj["metadata"]["name"]
-
-
-def test_memory_service_has_a_disruption_budget_and_its_own_volume():
-    budget = _find("PodDisruptionBudget", "memory-service")
-    statefulset = _find("StatefulSet", "memory-service")
-    assert budget["spec"]["selector"] == statefulset["spec"]["selector"]
-    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
-    assert claim["metadata"]["name"] in {mount["name"] for mount in _container("StatefulSet", "memory-service")
-                                         ["volumeMounts"]}
+    workloads = [obj for obj in _objects() if obj["kind"] in WORKLOAD_KINDS]
+    assert {obj["metadata"]["name"] for obj in workloads} >= set(STORES)
+    for obj in workloads:
+        name = obj["metadata"]["name"]
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        assert pod["securityContext"].get("runAsGroup", 1) != 0, name
+        if obj["spec"].get("volumeClaimTemplates"):  # its volume writable for that user
+            assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], name
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context.get("runAsUser", 1) != 0 and context.get("runAsNonRoot", True) is True, name
+            assert context["allowPrivilegeEscalation"] is False, name
+            assert "ALL" in context["capabilities"]["drop"], name
 
 
 def test_dockerfiles_pass_hadolint():
@@ -234,11 +436,14 @@ def test_dockerignore_keeps_every_copied_path_in_the_build_context():
                 assert source.rstrip("/") not in ignored, f"{dockerfile.name}: {source} is in .dockerignore"
 
 
-def test_manifest_images_are_the_ones_the_dockerfiles_document():
+def test_manifest_images_are_the_ones_the_dockerfiles_document_and_the_stores_are_pinned():
     tags = {tag for dockerfile in DOCKERFILES for tag in re.findall(r"-t (\S+) \.", dockerfile.read_text())}
-    images = {container["image"] for obj in _objects() if obj["kind"] in ("StatefulSet", "Deployment")
+    images = {obj["metadata"]["name"]: container["image"] for obj in _objects() if obj["kind"] in WORKLOAD_KINDS
               for container in obj["spec"]["template"]["spec"]["containers"]}
-    assert images == tags
+    assert {image for name, image in images.items() if name not in STORES} == tags
+    for store in STORES:  # official images at a release, never a moving "latest"
+        repository, _, tag = images[store].rpartition(":")
+        assert repository and tag and tag != "latest" and "/" not in tag, images[store]
 
 
 def test_kustomization_lists_every_manifest_and_kubectl_builds_it():

@@ -21,7 +21,8 @@ memory_fields = json_values | st.fixed_dictionaries(
     {}, optional={"user_id": json_values | st.text(max_size=300), "top_k": json_values | st.integers(),
                   "mode": json_values | st.sampled_from([*MODES, "KV", ""]),
                   "order": json_values | st.sampled_from([*FACT_ORDERS, "Ranked"]),
-                  "recompute_tail_facts": json_values | st.integers()})
+                  "recompute_tail_facts": json_values | st.integers(),
+                  "kv_crossover_tokens": json_values | st.integers()})
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
@@ -35,4 +36,4 @@ def test_any_memory_value_parses_or_is_a_400_naming_the_memory_field(memory):
         return
     assert isinstance(parsed.user_id, str) and parsed.user_id
     assert 1 <= parsed.top_k <= SETTINGS.max_top_k and parsed.mode in MODES and parsed.order in FACT_ORDERS
-    assert 0 <= parsed.recompute_tail_facts <= SETTINGS.max_top_k
+    assert 0 <= parsed.recompute_tail_facts <= SETTINGS.max_top_k and parsed.kv_crossover_tokens >= 0

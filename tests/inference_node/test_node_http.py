@@ -157,6 +157,15 @@ def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node
     _assert_same_generation(everything, complete(node, QUESTION, {**memory, "mode": "text"}))
 
 
+def test_a_memory_shorter_than_the_kv_crossover_is_served_as_text(node) -> None:
+    below = complete(node, QUESTION, {"user_id": "many", "mode": "kv", "top_k": 6, "kv_crossover_tokens": 100_000})
+    assert below.summary["served_as"] == "text" and below.summary["kv_facts"] == 0
+    assert below.summary["injectable_tokens"] == 0 and below.summary["facts"] == 6
+    _assert_same_generation(below, complete(node, QUESTION, {"user_id": "many", "mode": "text", "top_k": 6}))
+    above = complete(node, QUESTION, {"user_id": "many", "mode": "kv", "top_k": 6, "kv_crossover_tokens": 1})
+    assert "served_as" not in above.summary and above.summary["kv_facts"] == 6
+
+
 def test_random_kv_changes_the_output(node) -> None:
     exact = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
     randomized = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})

@@ -1,0 +1,23 @@
+"""When injecting a request's memory costs more than prefilling it: below a memory size (the crossover, measured per
+model shape, dtype and device by `python -m benchmarks.serve`), the node serves the memory as text, so kv is never
+slower than text. Measured crossovers ship in kv_crossover.json; `--kv-crossover-tokens` overrides them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CROSSOVER_TABLE = Path(__file__).with_name("kv_crossover.json")
+
+
+def shape_key(hf_config, dtype: str, device: str) -> str:
+    """What a crossover depends on: the model's compute shape, the dtype it runs in and the device."""
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return (f"{hf_config.model_type}-{hf_config.num_hidden_layers}L-{hf_config.hidden_size}h-"
+            f"{hf_config.intermediate_size}ff-{kv_heads}kv:{dtype}:{device}")
+
+
+def measured_crossover(key: str) -> int | None:
+    """The smallest injectable memory (tokens) at which kv was measured faster than text, or None if unmeasured."""
+    entry = json.loads(CROSSOVER_TABLE.read_text())["crossovers"].get(key)
+    return None if entry is None else int(entry["tokens"])
