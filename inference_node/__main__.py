@@ -17,6 +17,7 @@ from pathlib import Path
 from inference_node.crossover import measured_crossover, shape_key
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
 from inference_node.settings import SETTINGS_ENV, NodeSettings
+from inferscale_kv.device_telemetry import read_device
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import KV_DTYPES
@@ -141,10 +142,10 @@ def device_name() -> str:
 
 
 def cuda_device_bytes() -> int | None:
-    """Total memory of the first CUDA device, None without one (CPU nodes: the node cache is host memory)."""
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    """Total memory of the node's GPU, as NVML reads it; None without one (CPU nodes: the node cache is host
+    memory)."""
+    reading = read_device()
+    return reading.memory_total_bytes if reading else None
 
 
 def within_gpu_memory_budget(vllm_args: list[str], node_cache_bytes: int, device_bytes: int | None) -> list[str]:

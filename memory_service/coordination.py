@@ -34,6 +34,8 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS user_generations (user_id TEXT PRIMARY KEY, generation BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS version_floors (user_digest TEXT PRIMARY KEY, floor BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS workers (worker_id TEXT PRIMARY KEY, profile_id TEXT NOT NULL, "
+    "last_seen DOUBLE PRECISION NOT NULL, facts_per_second DOUBLE PRECISION NOT NULL, device TEXT NOT NULL)",
 )
 _DROPPED_AT_UPGRADE = ("jobs", "kv_entries")
 
@@ -55,6 +57,17 @@ class KvEntry:
     key: KvKey
     token_ids: list[int]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a precompute worker last said of itself (with its lease request)."""
+
+    worker_id: str
+    profile_id: str
+    last_seen: float
+    facts_per_second: float
+    device: dict  # DeviceReading's fields; empty without a GPU
 
 
 @dataclass(frozen=True)
@@ -289,3 +302,20 @@ class CoordinationStore:
         with self.database.transaction() as tx:
             tx.run("INSERT INTO store_meta VALUES (?, ?) ON CONFLICT (name) DO NOTHING", (name, value))
             return tx.rows("SELECT value FROM store_meta WHERE name = ?", (name,))[0][0]
+
+    # ------------------------------------------------------------------ workers
+
+    def record_worker(self, report: WorkerReport) -> None:
+        with self.database.transaction() as tx:
+            tx.run("INSERT INTO workers VALUES (?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET "
+                   "profile_id = excluded.profile_id, last_seen = excluded.last_seen, "
+                   "facts_per_second = excluded.facts_per_second, device = excluded.device",
+                   (report.worker_id, report.profile_id, report.last_seen, report.facts_per_second,
+                    json.dumps(report.device, sort_keys=True)))
+
+    def workers(self, seen_within_s: float) -> list[WorkerReport]:
+        """Workers that leased within the last `seen_within_s` seconds, most recent first."""
+        rows = self._query("SELECT worker_id, profile_id, last_seen, facts_per_second, device FROM workers "
+                           "WHERE last_seen >= ? ORDER BY last_seen DESC", (time.time() - seen_within_s,))
+        return [WorkerReport(worker, profile, seen, rate, json.loads(device))
+                for worker, profile, seen, rate, device in rows]

@@ -83,6 +83,10 @@ class ServiceMetrics:
         start_http_server(port, addr=host, registry=self.registry)
 
 
+# Workers that leased within this window are exported.
+WORKER_METRICS_WINDOW_S = 600.0
+
+
 class _CountCollector(Collector):
     def __init__(self, name: str, documentation: str, read) -> None:
         self._name, self._documentation, self._read = name, documentation, read
@@ -133,3 +137,18 @@ class _KvCollector(Collector):
             lag.add_metric([profile_id], counts.lag_seconds)
         yield queue
         yield lag
+        capacity = GaugeMetricFamily("inferscale_worker_facts_per_second", "a precompute worker's capacity: facts "
+                                     "encoded per second of encoding, as it last reported", labels=["worker_id"])
+        device_used = GaugeMetricFamily("inferscale_worker_device_memory_used_bytes", "a precompute worker's device "
+                                        "memory in use, as it last reported", labels=["worker_id"])
+        device_total = GaugeMetricFamily("inferscale_worker_device_memory_total_bytes", "a precompute worker's "
+                                         "device memory", labels=["worker_id"])
+        utilization = GaugeMetricFamily("inferscale_worker_device_utilization_percent", "a precompute worker's "
+                                        "device utilization, as it last reported", labels=["worker_id"])
+        for worker in self._kv.index.workers(WORKER_METRICS_WINDOW_S):
+            capacity.add_metric([worker.worker_id], worker.facts_per_second)
+            if worker.device:
+                device_used.add_metric([worker.worker_id], worker.device["memory_used_bytes"])
+                device_total.add_metric([worker.worker_id], worker.device["memory_total_bytes"])
+                utilization.add_metric([worker.worker_id], worker.device["utilization_percent"])
+        yield from (capacity, device_used, device_total, utilization)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -29,7 +30,7 @@ from memory_service.errors import (
 )
 from memory_service.metrics import ServiceMetrics
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
-from memory_service.coordination import CoordinationStore, Job
+from memory_service.coordination import CoordinationStore, Job, WorkerReport
 from memory_service.kv_pipeline import KvPipeline, Upload
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
 from memory_service.models import IngestOutcome, StoredFact
@@ -65,6 +66,8 @@ Response = TypeVar("Response")
 Handler = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]
 
 
+# GetStats lists the precompute workers that leased within this window.
+WORKERS_SHOWN_FOR_S = 3600.0
 # How long staged entries are expected to stay in the memory tier (LRU decides; this is what the handle promises).
 STAGING_TTL_S = 60.0
 
@@ -363,6 +366,12 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
                            evictions=tier.stats.evictions)
             for tier in self._kv.kv.tiers
         ]
+        now = time.time()
+        workers = [] if CALLER.get().user_prefix else [
+            pb.WorkerStats(worker_id=w.worker_id, profile_id=w.profile_id, last_seen_seconds_ago=now - w.last_seen,
+                           facts_per_second=w.facts_per_second, device=pb.WorkerDevice(**w.device))
+            for w in await asyncio.to_thread(self._kv.index.workers, WORKERS_SHOWN_FOR_S)
+        ]
         return pb.GetStatsResponse(
             users=counts.users,
             facts=counts.facts,
@@ -372,6 +381,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             embedding_model_id=self.embedder.model_id,
             profiles=profiles,
             tiers=tiers,
+            workers=workers,
         )
 
     @rpc
@@ -388,6 +398,14 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         if request.max_facts < 0 or request.lease_seconds < 0:
             raise InvalidArgument("max_facts" if request.max_facts < 0 else "lease_seconds", "must not be negative")
         max_facts = min(request.max_facts or self.config.kv_lease_max_facts, self.config.kv_lease_max_facts)
+        if not math.isfinite(request.facts_per_second) or request.facts_per_second < 0:
+            raise InvalidArgument("facts_per_second", "must be a finite, non-negative rate")
+        device = request.device
+        await asyncio.to_thread(self._kv.index.record_worker, WorkerReport(
+            request.worker_id, profile_id, time.time(), request.facts_per_second,
+            {"name": device.name, "memory_total_bytes": device.memory_total_bytes,
+             "memory_used_bytes": device.memory_used_bytes, "utilization_percent": device.utilization_percent}
+            if request.HasField("device") else {}))
         lease = await self._kv.lease(profile_id, max_facts, request.lease_seconds or self.config.kv_lease_seconds)
         response = pb.LeaseKvWorkResponse(lease_id=lease.lease_id,
                                            header_kv_wanted=self._kv.header_entry(profile_id) is None)

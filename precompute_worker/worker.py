@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import structlog
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.device_telemetry import read_device
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, content_id
 from inferscale_kv.model_profile import ModelProfile
 from precompute_worker.encoder import EncodedFact, EncodingGroup, FactEncoder, FactKey, FactSpec
@@ -68,9 +70,11 @@ class PrecomputeWorker:
 
     def run_once(self) -> int:
         """Leases, encodes and uploads one batch; returns the number of facts leased (0 when idle)."""
+        reading = read_device()  # None without NVML (no GPU)
         lease = self.stub.LeaseKvWork(pb.LeaseKvWorkRequest(
             worker_id=self.worker_id, profile_id=self.profile.profile_id, max_facts=self.max_facts,
-            lease_seconds=self.lease_seconds))
+            lease_seconds=self.lease_seconds, facts_per_second=self.stats.facts_per_second,
+            device=pb.WorkerDevice(**dataclasses.asdict(reading)) if reading else None))
         if lease.header_kv_wanted:
             self.announce()  # the service lost the header KV (deleted or corrupt): every node needs it
         if not lease.items:

@@ -5,6 +5,7 @@ tests/precompute_worker/test_worker_end_to_end.py.
 """
 
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -301,3 +302,26 @@ def test_the_header_kv_survives_disk_pressure_and_is_asked_for_again_when_lost(t
             assert not _lease(stub, profile).header_kv_wanted and header_blob() == _header_blob(profile)
     finally:
         service.stop()
+
+
+def test_a_workers_report_reaches_get_stats_and_the_metrics(stub, memory_service) -> None:
+    profile = _announce(stub, "reporting")
+    device = pb.WorkerDevice(name="NVIDIA H200", memory_total_bytes=150 << 30, memory_used_bytes=40 << 30,
+                             utilization_percent=61)
+    stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="gpu-worker-1", profile_id=profile.profile_id,
+                                           facts_per_second=42.5, device=device))
+    stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="cpu-worker-1", profile_id=profile.profile_id))
+    workers = {w.worker_id: w for w in stub.GetStats(pb.GetStatsRequest()).workers}
+    assert workers["gpu-worker-1"].facts_per_second == 42.5 and workers["gpu-worker-1"].device == device
+    assert 0 <= workers["gpu-worker-1"].last_seen_seconds_ago < 60
+    assert not workers["cpu-worker-1"].HasField("device") or workers["cpu-worker-1"].device.name == ""
+    with urllib.request.urlopen(f"http://127.0.0.1:{memory_service.metrics_port}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'inferscale_worker_facts_per_second{worker_id="gpu-worker-1"} 42.5' in metrics
+    assert 'inferscale_worker_device_utilization_percent{worker_id="gpu-worker-1"} 61.0' in metrics
+    assert 'inferscale_worker_device_utilization_percent{worker_id="cpu-worker-1"}' not in metrics
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(grpc.RpcError) as error:
+            stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="w", profile_id=profile.profile_id,
+                                                   facts_per_second=bad))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "facts_per_second" in error.value.details()

@@ -29,6 +29,8 @@ def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_servic
     profile = profile_message(build_model_profile(smollm2_dir, tokenizer, "float32", context_window=5))
 
     run_worker(memory_service, smollm2_dir, "--max-facts", "8", "--context-window", "5")
+    (worker,) = stub.GetStats(pb.GetStatsRequest()).workers  # reported with each lease: its capacity, no GPU here
+    assert worker.profile_id == profile.profile_id and worker.facts_per_second > 0 and worker.device.name == ""
 
     for user_id in USERS:
         facts = _retrieve_all(stub, user_id, profile)
