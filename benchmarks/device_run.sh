@@ -13,6 +13,9 @@ stage=${2:?usage: device_run.sh OUT_DIR failure|latency|throughput|cold}
 export PYTHONPATH=/tmp/site:$PWD:$PWD/build/generated PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# NVML's Python binding (the node's budget check, the workers' reports), carried as a wheel in .gpu/wheels.
+python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/site .gpu/wheels/*.whl
+python3 -c "from inferscale_kv.device_telemetry import read_device; print('NVML reading:', read_device())"
 common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clauses 2 --max-tokens 32)
 node="--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --kv-crossover-tokens 0"
 quiet() { grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
