@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -34,7 +33,7 @@ from inference_node.query_embedding import LocalQueryEmbedder
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.launcher import MemoryServiceProcess
-from tests.servers import postgres_server, seaweedfs_s3
+from tests.servers import Replicas, memory_service_replicas
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -57,43 +56,12 @@ def service_counter(service: MemoryServiceProcess, name: str) -> float:
                    if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
-class Deployment:
-    """N replicas, on the embedded defaults (N=1 only) or on shared PostgreSQL + S3."""
-
-    def __init__(self, services: list[MemoryServiceProcess], s3) -> None:
-        self.services = services
-        self.s3 = s3
-
-    @property
-    def target(self) -> str:
-        return self.services[0].address if len(self.services) == 1 else \
-            "ipv4:" + ",".join(service.address for service in self.services)
-
-    def totals(self) -> dict[str, float]:
-        return {"cpu_s": sum(cpu_seconds(s.process.pid) for s in self.services),
-                "statements": sum(service_counter(s, "inferscale_coordination_statements_total")
-                                  for s in self.services),
-                "s3_requests": self.s3.requests_served() if self.s3 else 0.0}
-
-
-@contextlib.contextmanager
-def deployment(root: Path, replicas: int, shared: bool):
-    with contextlib.ExitStack() as stack:
-        flags, env, s3 = [], {}, None
-        if shared:
-            url = stack.enter_context(postgres_server(root / "postgres"))
-            s3 = stack.enter_context(seaweedfs_s3(root / "s3"))
-            s3.create_bucket("bench")
-            flags = ["--coordination-url", url, "--store-uri", "s3://bench/service", "--s3-endpoint", s3.url,
-                     "--s3-allow-http"]
-            env = s3.environment()
-        services = []
-        for index in range(replicas):
-            service = MemoryServiceProcess(root / f"data-{index}", root / f"service-{index}.log",
-                                           "--embedding-threads", "1", *flags, env=env)
-            stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
-            services.append(service.start())
-        yield Deployment(services, s3)
+def totals(deployed: Replicas) -> dict[str, float]:
+    """The replicas' CPU seconds and coordination statements so far, and the store's S3 requests."""
+    return {"cpu_s": sum(cpu_seconds(s.process.pid) for s in deployed.services),
+            "statements": sum(service_counter(s, "inferscale_coordination_statements_total")
+                              for s in deployed.services),
+            "s3_requests": deployed.s3.requests_served() if deployed.s3 else 0.0}
 
 
 def user_name(index: int) -> str:
@@ -106,7 +74,7 @@ def populate(stub, users: int, facts_per_user: int) -> None:
         stub.IngestFacts(pb.IngestFactsRequest(user_id=user_name(index), facts=facts), timeout=600)
 
 
-def per_call_costs(deploy: Deployment, stub, users: list[int], queries: list[str], vectors: dict[str, list[float]],
+def per_call_costs(deployed: Replicas, stub, users: list[int], queries: list[str], vectors: dict[str, list[float]],
                    model_id: str, warm: bool) -> dict:
     """Mean costs of one RetrieveAndStage per user of `users` (warm: each user searched once before measuring)."""
     profile = _profile()
@@ -122,19 +90,19 @@ def per_call_costs(deploy: Deployment, stub, users: list[int], queries: list[str
     if warm:
         for index in users:
             stub.RetrieveAndStage(request(index, queries[0]), timeout=60)
-    before = deploy.totals()
+    before = totals(deployed)
     for index, query in zip(users, queries[1:], strict=False):
         stub.RetrieveAndStage(request(index, query), timeout=60)
-    after = deploy.totals()
+    after = totals(deployed)
     calls = min(len(users), len(queries) - 1)
     return {name: (after[name] - before[name]) / calls * (1000 if name == "cpu_s" else 1) for name in before} | {
         "calls": calls}
 
 
-async def latency(deploy: Deployment, users: int, queries: list[str], callers: int, seconds: float) -> dict:
+async def latency(deployed: Replicas, users: int, queries: list[str], callers: int, seconds: float) -> dict:
     profile, latencies, errors = _profile(), [], []
     deadline = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(deploy.target, options=REPLICA_OPTIONS) as channel:
+    async with grpc.aio.insecure_channel(deployed.address, options=REPLICA_OPTIONS) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
 
         async def caller(seed: int) -> None:
@@ -177,8 +145,9 @@ def main() -> None:
               ("PostgreSQL + S3, 3 replicas", 3, True)]
     for name, replicas, shared in setups:
         with tempfile.TemporaryDirectory(prefix="inferscale-replicas-") as workdir, \
-                deployment(Path(workdir), replicas, shared) as deploy:
-            with grpc.insecure_channel(deploy.services[0].address) as channel:
+                memory_service_replicas(Path(workdir), replicas, "--embedding-threads", "1", shared=shared,
+                                        bucket="bench") as deployed:
+            with grpc.insecure_channel(deployed.services[0].address) as channel:
                 stub = memory_pb2_grpc.MemoryServiceStub(channel)
                 populate(stub, args.users, args.facts_per_user)
                 model_id = stub.GetStats(pb.GetStatsRequest()).embedding_model_id
@@ -186,15 +155,15 @@ def main() -> None:
                     half = args.users // 2
                     cold = list(range(half, args.users))
                     results["costs"][name] = {
-                        "cached, service embeds": per_call_costs(deploy, stub, list(range(half))[: args.calls],
+                        "cached, service embeds": per_call_costs(deployed, stub, list(range(half))[: args.calls],
                                                                  queries, {}, model_id, warm=True),
-                        "cached, caller embeds": per_call_costs(deploy, stub, list(range(half))[: args.calls],
+                        "cached, caller embeds": per_call_costs(deployed, stub, list(range(half))[: args.calls],
                                                                 queries, vectors, model_id, warm=True),
-                        "uncached, service embeds": per_call_costs(deploy, stub, cold[: len(cold) // 2], queries,
+                        "uncached, service embeds": per_call_costs(deployed, stub, cold[: len(cold) // 2], queries,
                                                                    {}, model_id, warm=False),
-                        "uncached, caller embeds": per_call_costs(deploy, stub, cold[len(cold) // 2:], queries,
+                        "uncached, caller embeds": per_call_costs(deployed, stub, cold[len(cold) // 2:], queries,
                                                                   vectors, model_id, warm=False)}
-            results["latency"][name] = asyncio.run(latency(deploy, args.users, queries, args.callers, args.seconds))
+            results["latency"][name] = asyncio.run(latency(deployed, args.users, queries, args.callers, args.seconds))
             (args.output / "results.json").write_text(json.dumps(results, indent=2))
     report = markdown(results)
     (args.output / "report.md").write_text(report)

@@ -7,6 +7,7 @@ with its context manager.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -145,3 +146,42 @@ def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+@dataclass
+class Replicas:
+    services: list  # MemoryServiceProcess, started
+    s3: S3Endpoint | None  # the shared store (None: each replica on its own embedded defaults)
+    bucket: str
+
+    @property
+    def address(self) -> str:
+        """One address naming every replica, as clients are configured (dns:/// in Kubernetes)."""
+        if len(self.services) == 1:
+            return self.services[0].address
+        return "ipv4:" + ",".join(service.address for service in self.services)
+
+
+@contextmanager
+def memory_service_replicas(root: Path, replicas: int, *flags: str, shared: bool = True,
+                            bucket: str = "inferscale") -> Iterator[Replicas]:
+    """`replicas` memory services on loopback: on a real PostgreSQL and SeaweedFS when `shared`, else (one replica)
+    on the embedded defaults. Replicas still running at the end are stopped."""
+    from memory_service.launcher import MemoryServiceProcess
+
+    with contextlib.ExitStack() as stack:
+        shared_flags, env, s3 = [], {}, None
+        if shared:
+            url = stack.enter_context(postgres_server(root / "postgres"))
+            s3 = stack.enter_context(seaweedfs_s3(root / "s3"))
+            s3.create_bucket(bucket)
+            shared_flags = ["--coordination-url", url, "--store-uri", f"s3://{bucket}/service", "--s3-endpoint",
+                            s3.url, "--s3-allow-http"]
+            env = s3.environment()
+        services = []
+        for index in range(replicas):
+            service = MemoryServiceProcess(root / f"replica-{index}", root / f"replica-{index}.log", *flags,
+                                           *shared_flags, env=env)
+            stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
+            services.append(service.start())
+        yield Replicas(services, s3, bucket)

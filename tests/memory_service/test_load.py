@@ -17,7 +17,6 @@ The replica mode runs the same load against three replicas on a real PostgreSQL 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import re
@@ -34,7 +33,7 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.launcher import MemoryServiceProcess
-from tests.servers import postgres_server, seaweedfs_s3
+from tests.servers import Replicas, memory_service_replicas
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
@@ -197,7 +196,7 @@ async def _warm_up(stub, shape: LoadShape) -> float:
 
 async def _run(services: list[MemoryServiceProcess], shape: LoadShape) -> LoadReport:
     report = LoadReport(shape=shape)
-    target = services[0].address if len(services) == 1 else "ipv4:" + ",".join(s.address for s in services)
+    target = Replicas(services, None, "").address
     async with grpc.aio.insecure_channel(target, options=REPLICA_OPTIONS) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
         await _populate(stub, shape)
@@ -219,24 +218,11 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape) -> LoadRe
 
 
 def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float, replicas: int = 1) -> dict:
-    with contextlib.ExitStack() as stack:
-        shared_flags, env = [], {}
-        if replicas > 1:
-            url = stack.enter_context(postgres_server(tmp_path / "postgres"))
-            s3 = stack.enter_context(seaweedfs_s3(tmp_path / "s3"))
-            s3.create_bucket("load")
-            shared_flags = ["--coordination-url", url, "--store-uri", "s3://load/service", "--s3-endpoint", s3.url,
-                            "--s3-allow-http"]
-            env = s3.environment()
-        # With replicas sharing the machine's 2 cores, each gets one embedding thread.
-        threads = "2" if replicas == 1 else "1"
-        services = []
-        for index in range(replicas):
-            service = MemoryServiceProcess(tmp_path / f"data-{index}", tmp_path / f"service-{index}.log",
-                                           "--embedding-threads", threads, *shared_flags, env=env)
-            stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
-            services.append(service.start())
-        report = asyncio.run(_run(services, shape))
+    # With replicas sharing the machine's 2 cores, each gets one embedding thread.
+    threads = "2" if replicas == 1 else "1"
+    with memory_service_replicas(tmp_path, replicas, "--embedding-threads", threads, shared=replicas > 1,
+                                 bucket="load") as deployed:
+        report = asyncio.run(_run(deployed.services, shape))
     summary = {**report.summary(), "replicas": replicas}
     output = REPO_ROOT / "results" / "load"
     output.mkdir(parents=True, exist_ok=True)

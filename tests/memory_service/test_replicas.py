@@ -22,37 +22,22 @@ from inferscale_kv.layout import fact_token_ids
 from memory_service.launcher import MemoryServiceProcess
 from tests.conftest import run_worker
 from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
-from tests.servers import postgres_server, seaweedfs_s3
+from tests.servers import memory_service_replicas
 
 BUCKET = "inferscale-replicas"
 SWEEP_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """(PostgreSQL URL, S3 endpoint), running for the module."""
-    root = tmp_path_factory.mktemp("shared-servers")
-    with postgres_server(root / "postgres") as url, seaweedfs_s3(root / "s3") as s3:
-        s3.create_bucket(BUCKET)
-        yield url, s3
-
-
-def _replica(shared, root, index: int) -> MemoryServiceProcess:
-    url, s3 = shared
-    return MemoryServiceProcess(
-        root / f"replica-{index}", root / f"replica-{index}.log", "--coordination-url", url, "--store-uri",
-        f"s3://{BUCKET}/service", "--s3-endpoint", s3.url, "--s3-allow-http", "--tier-sweep-interval-s",
-        str(SWEEP_S), "--kv-host-budget-mb", "64", "--kv-lease-seconds", "2", env=s3.environment())
+def deployed(tmp_path_factory):
+    with memory_service_replicas(tmp_path_factory.mktemp("replicas"), 3, "--tier-sweep-interval-s", str(SWEEP_S),
+                                 "--kv-host-budget-mb", "64", "--kv-lease-seconds", "2", bucket=BUCKET) as replicas:
+        yield replicas
 
 
 @pytest.fixture(scope="module")
-def replicas(shared, tmp_path_factory):
-    root = tmp_path_factory.mktemp("replicas")
-    started = [_replica(shared, root, index).start() for index in range(3)]
-    yield started
-    for replica in started:
-        if replica.process.poll() is None:
-            replica.stop()
+def replicas(deployed):
+    return deployed.services
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +46,6 @@ def stubs(replicas):
     yield [memory_pb2_grpc.MemoryServiceStub(channel) for channel in channels]
     for channel in channels:
         channel.close()
-
-
-def every_replica(replicas) -> str:
-    """One address naming every replica, as a client is configured (dns:/// in Kubernetes)."""
-    return "ipv4:" + ",".join(replica.address for replica in replicas)
 
 
 def _fact_ids(stub, user_id: str) -> list[str]:
@@ -122,14 +102,13 @@ def _metric(replica: MemoryServiceProcess, name: str, labels: str = "") -> float
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(f"{name}{labels}"))
 
 
-def _object_users(shared) -> set[str]:
-    _, s3 = shared
-    listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix="service/kv/")
+def _object_users(deployed) -> set[str]:
+    listing = deployed.s3.client().list_objects_v2(Bucket=BUCKET, Prefix="service/kv/")
     return {item["Key"].split("/")[3] for item in listing.get("Contents", [])}
 
 
 def test_delete_user_through_one_replica_removes_facts_and_kv_from_every_replica_and_the_store(
-        replicas, stubs, shared, tiny_llama_dir) -> None:
+        replicas, stubs, deployed, tiny_llama_dir) -> None:
     facts = [pb.FactInput(fact_id=f"g{i}", text=f"Gus keeps {i} goldfish in a pond by the garden.") for i in range(4)]
     stubs[0].IngestFacts(pb.IngestFactsRequest(user_id="gus", facts=facts))
     run_worker(replicas[0], tiny_llama_dir)  # announces the profile and stores every fact's KV
@@ -143,13 +122,13 @@ def test_delete_user_through_one_replica_removes_facts_and_kv_from_every_replica
         assert all(reply.blob for reply in stub.FetchKv(pb.FetchKvRequest(
             profile_id=profile.profile_id, user_id="gus", facts=refs)))
         host_entries.append(_metric(replica, "inferscale_kv_tier_entries", '{tier="host"}'))
-    assert "gus" in _object_users(shared)
+    assert "gus" in _object_users(deployed)
     stubs[2].DeleteUser(pb.DeleteUserRequest(user_id="gus"))
     for stub in stubs:
         assert _fact_ids(stub, "gus") == [] and _search_ids(stub, "gus", "goldfish") == set()
         assert [reply.blob for reply in stub.FetchKv(pb.FetchKvRequest(
             profile_id=profile.profile_id, user_id="gus", facts=refs))] == [b""] * 4
-    assert "gus" not in _object_users(shared)
+    assert "gus" not in _object_users(deployed)
     time.sleep(3 * SWEEP_S)
     for replica, before in zip(replicas, host_entries, strict=True):
         assert _metric(replica, "inferscale_kv_tier_entries", '{tier="host"}') == before - 4
@@ -172,7 +151,7 @@ def test_a_worker_completes_through_another_replica_than_it_leased_from(stubs, r
 
 
 def test_kill_9_of_a_replica_loses_no_acknowledged_fact_and_its_callers_fail_over(
-        replicas, stubs, tiny_llama_dir) -> None:
+        deployed, replicas, stubs, tiny_llama_dir) -> None:
     profile = tiny_profile(tiny_llama_dir)
     # A lease taken through the replica about to die: it must expire and be redone through another.
     stubs[0].IngestFacts(pb.IngestFactsRequest(user_id="leased", facts=[
@@ -184,7 +163,7 @@ def test_kill_9_of_a_replica_loses_no_acknowledged_fact_and_its_callers_fail_ove
     errors: list[str] = []
     retrievals = [0]
     stop = threading.Event()
-    channel = memory_service_channel(every_replica(replicas), WORKER)
+    channel = memory_service_channel(deployed.address, WORKER)
     client = memory_pb2_grpc.MemoryServiceStub(channel)
 
     def ingest_stream() -> None:
