@@ -2,6 +2,7 @@
 # The GPU runs (lent device, vLLM 0.26.0), after the carry parts are unpacked (../shared/device/README.md):
 #   bash benchmarks/device_run.sh OUT_DIR failure      # refused loads recompute to the text answer (per runner)
 #   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1: kv, text, text-stable, off, kv-tail1
+#                                                      # (the node embeds queries on the GPU: --embed-queries-locally)
 #   bash benchmarks/device_run.sh OUT_DIR throughput   # 128 users with their own memories, 128 in flight, k=50
 #   bash benchmarks/device_run.sh OUT_DIR cold         # more users' KV than the node cache holds, 16 in flight
 # Needs, carried beside the tree: build/generated (the gRPC modules) and .gpu/smollm2 (tokenizer files).
@@ -25,7 +26,8 @@ case $stage in
       | grep "^run=" | tee "$out/failure-path.txt" ;;
   latency)
     python3 -m benchmarks.serve "${common[@]}" --k 5 10 20 50 --tails 1 --users 4 --facts-per-user 60 \
-      --requests 16 --concurrency 1 --output "$out/serve-latency" --node-flags "$node --node-cache-mb 8192" \
+      --requests 16 --concurrency 1 --output "$out/serve-latency" \
+      --node-flags "$node --node-cache-mb 8192 --embed-queries-locally" \
       2>&1 | quiet | tee "$out/serve-latency.txt" ;;
   throughput)
     python3 -m benchmarks.serve "${common[@]}" --k 50 --tails --users 128 --facts-per-user 50 --requests 256 \
