@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/site .gpu/wheels/*.whl
 python3 -c "from inferscale_kv.device_telemetry import read_device; print('NVML reading:', read_device())"
 common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clauses 2 --max-tokens 32)
-node="--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --kv-crossover-tokens 0"
+node="--dtype bfloat16 --max-model-len 4096 --kv-crossover-tokens 0"
 quiet() { grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 case $stage in
   failure)
@@ -27,16 +27,17 @@ case $stage in
   latency)
     python3 -m benchmarks.serve "${common[@]}" --k 5 10 20 50 --tails 1 --users 4 --facts-per-user 60 \
       --requests 16 --concurrency 1 --output "$out/serve-latency" \
-      --node-flags "$node --node-cache-mb 8192 --embed-queries-locally" \
+      --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192 --embed-queries-locally" \
       2>&1 | quiet | tee "$out/serve-latency.txt" ;;
   throughput)
     python3 -m benchmarks.serve "${common[@]}" --k 50 --tails --users 128 --facts-per-user 50 --requests 256 \
       --concurrency 128 --output "$out/serve-throughput" \
       --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
-      --node-flags "$node --node-cache-mb 40000" 2>&1 | quiet | tee "$out/serve-throughput.txt" ;;
+      --node-flags "$node --gpu-memory-utilization 0.9 --node-cache-mb 30000" 2>&1 | quiet \
+      | tee "$out/serve-throughput.txt" ;;
   cold)
     python3 -m benchmarks.serve "${common[@]}" --workloads cold --cold-users 64 --cold-k 50 --tails \
       --requests 64 --concurrency 16 --output "$out/serve-cold" --service-flags "--embedding-threads 8" \
-      --node-flags "$node" 2>&1 | quiet | tee "$out/serve-cold.txt" ;;
+      --node-flags "$node --gpu-memory-utilization 0.6" 2>&1 | quiet | tee "$out/serve-cold.txt" ;;
   *) echo "unknown stage: $stage" >&2; exit 2 ;;
 esac
