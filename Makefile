@@ -38,7 +38,7 @@ bench-precompute: install
 
 # The CPU report of benchmarks/RESULTS.md: every workload, every contender.
 bench-serve: install
-	$(PY) -m benchmarks.serve --workloads synthetic varying long cold --k 10 50 --requests 16
+	$(PY) -m benchmarks.serve --workloads synthetic varying long cold --k 1 2 5 10 50 --requests 16
 
 # Needs the LoCoMo data (../shared/data/locomo/locomo-dev6.json by default; --data PATH for another copy).
 bench-locomo: install
