@@ -120,6 +120,9 @@ class PostgresDatabase(Database):
 
         self._pool = ConnectionPool(url, min_size=1, max_size=max_connections, open=True,
                                     kwargs={"autocommit": False}, name="inferscale-coordination")
+        # A user lock holds a connection for the whole write, and the write needs another for its statements: at
+        # most half the pool holds locks, so writes of many users at once cannot take every connection and wait.
+        self._lock_slots = threading.BoundedSemaphore(max(1, max_connections // 2))
         self._pool.wait(timeout=30)
         with self.transaction() as tx:
             tx.run("CREATE TABLE IF NOT EXISTS schema_meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL)")
@@ -136,7 +139,7 @@ class PostgresDatabase(Database):
     @contextmanager
     def user_lock(self, name: str) -> Iterator[None]:
         key = zlib.crc32(name.encode())  # advisory lock ids are 64-bit integers
-        with self._pool.connection() as connection:
+        with self._lock_slots, self._pool.connection() as connection:
             connection.autocommit = True
             try:
                 self.round_trips += 1
