@@ -3,8 +3,10 @@ TLS (mutual when a client certificate is given) on the channel.
 
 The address may name every replica at once: `dns:///memory-service.inferscale:50051` (a Kubernetes headless
 Service), or `ipv4:10.0.0.1:50051,10.0.0.2:50051`. Calls are spread over the replicas (round robin), and a call that
-fails UNAVAILABLE (its replica went away) is retried on another; every memory-service call may be repeated
-(ingest and deletes are idempotent, reads have no effect, a repeated lease only leases more).
+fails UNAVAILABLE (its replica went away) is retried on another if repeating it is harmless: reads, ingest (facts and
+turns are upserted by id), profile announcements and KV completions (a repeat counts as a duplicate). Deletes and
+leases are not retried (a repeated delete answers NOT_FOUND, a repeated lease strands the first one), nor is a call
+whose request is larger than gRPC's retry buffer (256 KiB: large ingest or completion batches).
 
 Both come from the environment only (never flags: flags reach logs and vLLM's printed config), named by the
 caller's role prefix (WORKER or NODE below):
@@ -31,7 +33,9 @@ WORKER_TOKEN_ENV = f"{WORKER}MEMORY_SERVICE_TOKEN"
 NODE_TOKEN_ENV = f"{NODE}MEMORY_SERVICE_TOKEN"
 _SERVICE_CONFIG = json.dumps({
     "loadBalancingConfig": [{"round_robin": {}}],
-    "methodConfig": [{"name": [{"service": "inferscale.v1.MemoryService"}],
+    "methodConfig": [{"name": [{"service": "inferscale.v1.MemoryService", "method": method} for method in (
+        "IngestFacts", "IngestTurns", "SearchFacts", "ListFacts", "RetrieveAndStage", "FetchKv", "GetStats",
+        "AnnounceProfile", "CompleteKvWork")],
                       "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
                                       "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}],
 })

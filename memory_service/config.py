@@ -135,7 +135,8 @@ class ServiceConfig:
             raise ConfigError(f"--data-dir: {self.data_dir} exists and is not a directory")
         if self.coordination_url and not self.coordination_url.startswith(
                 ("postgresql://", "postgres://", "sqlite:///")):
-            raise ConfigError(f"--coordination-url: {self.coordination_url!r} is not postgresql://... or sqlite:///PATH")
+            raise ConfigError("--coordination-url: must start with postgresql://, postgres:// or sqlite:/// (its "
+                              "value is not repeated here: it may hold a password)")
         if self.store_uri.startswith("s3://") and not self.coordination_url.startswith(("postgresql://", "postgres://")):
             raise ConfigError("--store-uri s3://...: replicas sharing a store need --coordination-url postgresql://...")
         if "://" in self.store_uri and not self.store_uri.startswith("s3://"):
@@ -145,8 +146,9 @@ class ServiceConfig:
 
     @property
     def coordination_url_for_logs(self) -> str:
-        """The coordination URL without its password."""
-        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", self.coordination_url)
+        """The coordination URL without its password (in the user part, or as a password parameter)."""
+        masked = re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", self.coordination_url)
+        return re.sub(r"((?:^|[?&])(?:ssl)?password=)[^&]*", r"\1***", masked, flags=re.IGNORECASE)
 
     @property
     def resolved_embedding_cache_dir(self) -> Path:

@@ -6,6 +6,7 @@ the store's embedding model. Every call is one transaction, committed before it 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, KvKey
 from memory_service.sql import Database
 
-# Version 3 adds user write generations, version floors and the store's embedding model. Bookkeeping older than
-# version 2 (entries without content ids) is dropped at open (its blobs then have no entry: reconcile deletes them
-# and queues every fact again).
-_SCHEMA_VERSION = 3
-_OLDEST_KEPT_VERSION = 2
+# Version 3 adds version floors and the store's embedding model, version 4 user write generations keyed by digest.
+# At open, tables older than the version in which their layout last changed are dropped: bookkeeping older than
+# version 2 (entries without content ids; its blobs then have no entry: reconcile deletes them and queues every fact
+# again), write generations older than 4 (cache validity counters: replicas reload what they hold).
+_SCHEMA_VERSION = 4
+_DROPPED_BELOW = {"jobs": 2, "kv_entries": 2, "user_generations": 4}
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS profiles (profile_id TEXT PRIMARY KEY, spec TEXT NOT NULL, "
     "first_seen DOUBLE PRECISION NOT NULL, last_seen DOUBLE PRECISION NOT NULL)",
@@ -31,15 +33,19 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS kv_entries (profile_id TEXT NOT NULL, user_id TEXT NOT NULL, fact_id TEXT NOT NULL, "
     "version BIGINT NOT NULL, content_id TEXT NOT NULL, token_ids TEXT NOT NULL, nbytes BIGINT NOT NULL, "
     "stored_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (profile_id, user_id, fact_id))",
-    "CREATE TABLE IF NOT EXISTS user_generations (user_id TEXT PRIMARY KEY, generation BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS user_generations (user_digest TEXT PRIMARY KEY, generation BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS version_floors (user_digest TEXT PRIMARY KEY, floor BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS workers (worker_id TEXT PRIMARY KEY, profile_id TEXT NOT NULL, "
     "last_seen DOUBLE PRECISION NOT NULL, facts_per_second DOUBLE PRECISION NOT NULL, device TEXT NOT NULL)",
 )
-_DROPPED_AT_UPGRADE = ("jobs", "kv_entries")
 
 QUEUED, LEASED, FAILED = "queued", "leased", "failed"
+
+
+def user_digest(user_id: str) -> str:
+    """Keys what the coordination store keeps of a user beyond its facts: a deleted user's id leaves nothing."""
+    return hashlib.sha256(user_id.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -84,14 +90,14 @@ class CoordinationStore:
     def __init__(self, database: Database, max_attempts: int = 3) -> None:
         self.database = database
         self.max_attempts = max_attempts
-        if database.schema_version() < _OLDEST_KEPT_VERSION:
-            with database.transaction() as tx:
-                for table in _DROPPED_AT_UPGRADE:
+        with database.migration() as tx:
+            version = database.schema_version(tx)
+            for table, layout_version in _DROPPED_BELOW.items():
+                if version < layout_version:
                     tx.run(f"DROP TABLE IF EXISTS {table}")
-        with database.transaction() as tx:
             for statement in _SCHEMA:
                 tx.run(statement)
-        database.set_schema_version(_SCHEMA_VERSION)
+            database.set_schema_version(tx, _SCHEMA_VERSION)
 
     @property
     def shared(self) -> bool:
@@ -130,7 +136,8 @@ class CoordinationStore:
                 tx.run("INSERT INTO jobs (profile_id, user_id, fact_id, version, state, enqueued_at) "
                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO UPDATE SET "
                        "version = excluded.version, state = 'queued', lease_id = NULL, lease_expires = NULL, "
-                       "attempts = 0, enqueued_at = excluded.enqueued_at, last_error = NULL", row)
+                       "attempts = 0, enqueued_at = excluded.enqueued_at, last_error = NULL "
+                       "WHERE jobs.version <= excluded.version", row)  # a late, older version never replaces a newer
         return len(rows)
 
     def lease(self, profile_id: str, max_facts: int, lease_seconds: float) -> tuple[str, float, list[Job]]:
@@ -231,10 +238,12 @@ class CoordinationStore:
             condition += f" AND fact_id IN ({','.join('?' * len(fact_ids))})"
             params += list(fact_ids)
         with self.database.transaction() as tx:
+            # Jobs first: under PostgreSQL's READ COMMITTED this waits for a completion that holds one of them, and
+            # the entries are then read afresh, the completion's included (entries first could miss it).
+            tx.run(f"DELETE FROM jobs WHERE {condition}", params)
             stored = [KvKey(*row) for row in tx.rows(
                 f"DELETE FROM kv_entries WHERE {condition} RETURNING profile_id, user_id, fact_id, version, content_id",
                 params)]
-            tx.run(f"DELETE FROM jobs WHERE {condition}", params)
         return stored
 
     def kv_bytes_with_user_prefix(self, prefix: str) -> int:
@@ -259,26 +268,44 @@ class CoordinationStore:
 
     # ------------------------------------------------------------------ users
 
+    # A user's write generation is a sequence lock: odd while a write of the user is under way (or was cut off), even
+    # otherwise. A replica's cached copy of the user is current only while the generation is even and has not moved
+    # since the copy was read. Rows are keyed by a digest of the user id (a deleted user's id leaves nothing).
+
     def write_generation(self, user_id: str) -> int:
-        """How many acknowledged writes the user has had (0: none yet); a replica's cached copy of the user is
-        current only while this has not moved."""
-        rows = self._query("SELECT generation FROM user_generations WHERE user_id = ?", (user_id,))
+        rows = self._query("SELECT generation FROM user_generations WHERE user_digest = ?", (user_digest(user_id),))
         return rows[0][0] if rows else 0
 
     def write_generations(self, user_ids: Sequence[str]) -> dict[str, int]:
         """write_generation of each user, in one query per 500 users."""
+        digests = {user_digest(user): user for user in user_ids}
         generations = dict.fromkeys(user_ids, 0)
-        for begin in range(0, len(user_ids), 500):
-            batch = user_ids[begin : begin + 500]
-            generations.update(self._query(f"SELECT user_id, generation FROM user_generations WHERE user_id IN "
-                                           f"({','.join('?' * len(batch))})", batch))
+        keys = list(digests)
+        for begin in range(0, len(keys), 500):
+            batch = keys[begin : begin + 500]
+            for digest, generation in self._query(f"SELECT user_digest, generation FROM user_generations WHERE "
+                                                  f"user_digest IN ({','.join('?' * len(batch))})", batch):
+                generations[digests[digest]] = generation
         return generations
 
-    def bump_write_generation(self, user_id: str) -> int:
-        """Counts one more acknowledged write of the user; returns the new generation."""
+    def _advance_generation(self, user_id: str, step: int) -> int:
         with self.database.transaction() as tx:
-            return tx.rows("INSERT INTO user_generations VALUES (?, 1) ON CONFLICT (user_id) DO UPDATE SET "
-                           "generation = user_generations.generation + 1 RETURNING generation", (user_id,))[0][0]
+            return tx.rows("INSERT INTO user_generations VALUES (?, ?) ON CONFLICT (user_digest) DO UPDATE SET "
+                           "generation = user_generations.generation + ? RETURNING generation",
+                           (user_digest(user_id), step, step))[0][0]
+
+    def begin_write(self, user_id: str) -> int:
+        """Before a write of the user commits: every cached copy of the user stops being current (odd)."""
+        generation = self.write_generation(user_id)
+        return self._advance_generation(user_id, 1 if generation % 2 == 0 else 2)
+
+    def end_write(self, user_id: str) -> int:
+        """After the write committed (or failed): copies read from now on may be cached (even)."""
+        return self._advance_generation(user_id, 1)
+
+    def invalidate_user(self, user_id: str) -> int:
+        """Makes every replica look at the user again (e.g. its KV was forgotten) without marking a write."""
+        return self._advance_generation(user_id, 2)
 
     def version_floor(self, user_digest: str) -> int:
         """The highest fact version the user ever had deleted (0: none): new versions start above it."""

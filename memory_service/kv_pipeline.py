@@ -87,14 +87,18 @@ class KvPipeline:
         expected = header_key(profile_id, header.token_ids)
         if header.key != expected:
             raise InvalidArgument("header_kv", f"must name {expected} (the profile's header, encoded behind nothing)")
-        if self.index.header_entry(profile_id) is None:
+        if await self.header_entry(profile_id) is None:
             await asyncio.to_thread(self.kv.put, expected, blob, header.token_ids, None)
 
-    def header_entry(self, profile_id: str) -> KvEntry | None:
-        return self.index.header_entry(profile_id)
+    async def header_entry(self, profile_id: str) -> KvEntry | None:
+        return await asyncio.to_thread(self.index.header_entry, profile_id)
 
     async def reconcile(self) -> int:
-        """After a restart: disk and index agree, and every fact lacking KV for a profile is queued."""
+        """After a restart: disk and index agree, and every fact lacking KV for a profile is queued. Not with a
+        shared store: other replicas write while this one starts, and a scan could take their new entries for
+        stale ones (missing KV is queued by RetrieveAndStage anyway)."""
+        if self.index.shared:
+            return 0
         await asyncio.to_thread(self.kv.reconcile)
         current = {(user, fact): version for user, fact, version in await self.facts.fact_versions()}
         covered = {(k.profile_id, k.user_id, k.fact_id, k.version)
@@ -115,19 +119,19 @@ class KvPipeline:
         if not changed:
             return
         await asyncio.to_thread(self.kv.forget, user_id, [fact_id for fact_id, _ in changed])
-        profiles = list(self.index.profiles())
+        profiles = list(await asyncio.to_thread(self.index.profiles))
         await asyncio.to_thread(self.index.enqueue, profiles, [(user_id, f, v) for f, v in changed])
 
     async def facts_deleted(self, user_id: str, fact_ids: Sequence[str] | None) -> None:
         """Deletes every KV blob and queued job of the facts (all of the user's when None)."""
         await asyncio.to_thread(self.kv.forget, user_id, fact_ids)
 
-    def _require_profile(self, profile_id: str) -> None:
-        if profile_id not in self.index.profiles():
+    async def _require_profile(self, profile_id: str) -> None:
+        if profile_id not in self._announced and profile_id not in await asyncio.to_thread(self.index.profiles):
             raise NotFound(f"profile_id: {profile_id!r} was never announced (call AnnounceProfile first)")
 
     async def lease(self, profile_id: str, max_facts: int, lease_seconds: float) -> Lease:
-        self._require_profile(profile_id)
+        await self._require_profile(profile_id)
         lease_id, expires, keys = await asyncio.to_thread(self.index.lease, profile_id, max_facts, lease_seconds)
         by_user: dict[str, list[Job]] = {}
         for key in keys:
@@ -150,7 +154,7 @@ class KvPipeline:
                        failures: Sequence[tuple[Job, str]]) -> CompletionCounts:
         """Stores uploads that their lease still covers (same version, same lease, in the transaction that records
         them); a fact deleted, changed or re-leased since counts as stale and nothing of it is stored."""
-        self._require_profile(profile_id)
+        await self._require_profile(profile_id)
         accepted = duplicates = stale = 0
         for index, upload in enumerate(uploads):
             header = _blob_header(upload.blob, f"results[{index}].blob")

@@ -87,7 +87,7 @@ class TieredKvStore:
             if not listed and not self._put_in(self.disk, key, blob):
                 raise OSError(f"disk tier refused {len(blob)} bytes (budget {self.disk.budget_bytes})")
             if not self.index.record_stored(key, token_ids, len(blob), lease_id):
-                if not listed:
+                if not listed and not self._is_listed(key):  # another replica may have recorded it meanwhile
                     self.disk.remove(key)
                 return False
             for tier in self.tiers[:-1]:
@@ -109,6 +109,8 @@ class TieredKvStore:
                     for faster in self.tiers[:depth]:
                         self._put_in(faster, key, blob)
                     return blob
+            if self._is_listed(key):  # listed, yet no tier holds it (lost from the durable tier): computed again
+                self._requeue_corrupt(key)
         return None
 
     def promote(self, key: KvKey) -> None:
@@ -121,6 +123,8 @@ class TieredKvStore:
         with self._lock:
             dropped = self.index.forget_facts(user_id, fact_ids)
             self._remove(dropped)
+        if dropped and self.index.shared:
+            self.index.invalidate_user(user_id)  # other replicas' sweeps look at the user again, after the forget
         return dropped
 
     def forget_entries(self, keys: Iterable[KvKey]) -> None:

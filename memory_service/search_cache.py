@@ -114,11 +114,12 @@ class UserFactsCache:
             self._drop(next(iter(self._entries)))
         return True
 
-    def upsert(self, user_id: str, rows: list[FactRow], vectors: np.ndarray, store_generation: int = 0) -> None:
+    def upsert(self, user_id: str, rows: list[FactRow], vectors: np.ndarray, store_generation_before: int = 0,
+               store_generation_after: int = 0) -> None:
         """Applies a committed write of `rows` (new facts, or replacing those with their fact_ids) to the user's
         entry, if cached, so that a write does not cost the next query a reload; like `invalidate`, drops reads in
-        flight. `store_generation`: the write's generation; the entry reflects it only if it reflected the one
-        before."""
+        flight. On a shared store the merged entry reflects the write's generation (`..._after`) only if the entry
+        reflected the one before it; otherwise it is left unlabelled (reloaded before use)."""
         entry = self._entries.get(user_id)
         self.invalidate(user_id)
         if entry is None:
@@ -134,7 +135,7 @@ class UserFactsCache:
             else:
                 merged_rows[at] = row
                 merged_vectors[at] = vectors[index]
-        current = store_generation if entry.store_generation == store_generation - 1 or not store_generation else -1
+        current = store_generation_after if entry.store_generation == store_generation_before else -1
         merged = UserFacts(merged_rows, np.concatenate([merged_vectors, vectors[appended]]), current)
         self.put(user_id, merged, self.generation(user_id))
 

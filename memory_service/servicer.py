@@ -285,7 +285,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         await self._kv.announce(profile_id, profile_fields(request.profile))
         results = await self._search(user_id, request, top_k)
         entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
-        header = self._kv.header_entry(profile_id)
+        header = await self._kv.header_entry(profile_id)
         facts = []
         for rank, r in enumerate(results, start=1):
             entry = entries.get(r.fact.fact_id)
@@ -408,7 +408,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             if request.HasField("device") else {}))
         lease = await self._kv.lease(profile_id, max_facts, request.lease_seconds or self.config.kv_lease_seconds)
         response = pb.LeaseKvWorkResponse(lease_id=lease.lease_id,
-                                           header_kv_wanted=self._kv.header_entry(profile_id) is None)
+                                           header_kv_wanted=await self._kv.header_entry(profile_id) is None)
         if not lease.facts:
             return response
         response.expires_at.FromMicroseconds(int(lease.expires_at * 1_000_000))

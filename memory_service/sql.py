@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+_MIGRATION_LOCK = 0x1F5CA1E  # the advisory lock replicas hold while they create or upgrade the schema
 
 
 class Transaction:
@@ -59,10 +60,14 @@ class Database(ABC):
         """Held while one user's facts are written: no other process writes that user meanwhile."""
 
     @abstractmethod
-    def schema_version(self) -> int: ...
+    def migration(self) -> Iterator[Transaction]:
+        """A transaction that no other process's migration runs beside (replicas starting together)."""
 
     @abstractmethod
-    def set_schema_version(self, version: int) -> None: ...
+    def schema_version(self, tx: Transaction) -> int: ...
+
+    @abstractmethod
+    def set_schema_version(self, tx: Transaction, version: int) -> None: ...
 
     @abstractmethod
     def close(self) -> None: ...
@@ -94,13 +99,14 @@ class SqliteDatabase(Database):
     def user_lock(self, name: str) -> Iterator[None]:
         yield  # one process: the service's own per-user locks serialize its writes
 
-    def schema_version(self) -> int:
-        with self._lock:
-            return self._db.execute("PRAGMA user_version").fetchone()[0]
+    def migration(self) -> Iterator[Transaction]:
+        return self.transaction()  # BEGIN IMMEDIATE: one writer at a time
 
-    def set_schema_version(self, version: int) -> None:
-        with self._lock:
-            self._db.execute(f"PRAGMA user_version = {int(version)}")
+    def schema_version(self, tx: Transaction) -> int:
+        return tx.rows("PRAGMA user_version")[0][0]
+
+    def set_schema_version(self, tx: Transaction, version: int) -> None:
+        tx.run(f"PRAGMA user_version = {int(version)}")
 
     def close(self) -> None:
         with self._lock:
@@ -122,10 +128,9 @@ class PostgresDatabase(Database):
                                     kwargs={"autocommit": False}, name="inferscale-coordination")
         # A user lock holds a connection for the whole write, and the write needs another for its statements: at
         # most half the pool holds locks, so writes of many users at once cannot take every connection and wait.
-        self._lock_slots = threading.BoundedSemaphore(max(1, max_connections // 2))
+        self.lock_slots = max(1, max_connections // 2)
+        self._lock_slots = threading.BoundedSemaphore(self.lock_slots)
         self._pool.wait(timeout=30)
-        with self.transaction() as tx:
-            tx.run("CREATE TABLE IF NOT EXISTS schema_meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL)")
 
     @staticmethod
     def _adapt(sql: str) -> str:
@@ -152,14 +157,20 @@ class PostgresDatabase(Database):
             finally:
                 connection.autocommit = False
 
-    def schema_version(self) -> int:
-        rows = self.query("SELECT value FROM schema_meta WHERE name = 'version'")
+    @contextmanager
+    def migration(self) -> Iterator[Transaction]:
+        with self.transaction() as tx:
+            tx.rows("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+            tx.run("CREATE TABLE IF NOT EXISTS schema_meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL)")
+            yield tx
+
+    def schema_version(self, tx: Transaction) -> int:
+        rows = tx.rows("SELECT value FROM schema_meta WHERE name = 'version'")
         return rows[0][0] if rows else 0
 
-    def set_schema_version(self, version: int) -> None:
-        with self.transaction() as tx:
-            tx.run("INSERT INTO schema_meta VALUES ('version', ?) ON CONFLICT (name) DO UPDATE SET value = ?",
-                   (version, version))
+    def set_schema_version(self, tx: Transaction, version: int) -> None:
+        tx.run("INSERT INTO schema_meta VALUES ('version', ?) ON CONFLICT (name) DO UPDATE SET value = ?",
+               (version, version))
 
     def close(self) -> None:
         self._pool.close()

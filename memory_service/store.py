@@ -8,12 +8,13 @@ is what makes the SQL filters below safe to build by formatting.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import AsyncIterator
 
@@ -24,7 +25,7 @@ import pyarrow.compute as pc
 import structlog
 from lancedb.index import BTree
 
-from memory_service.coordination import CoordinationStore
+from memory_service.coordination import CoordinationStore, user_digest
 from memory_service.errors import LimitExceeded
 from memory_service.models import (
     IngestOutcome,
@@ -85,10 +86,12 @@ def facts_schema(dim: int) -> pa.Schema:
     )
 
 
-def _user_digest(user_id: str) -> str:
-    """Keys the user's version floor (the highest fact version the user ever had deleted, so that a version number
-    is never handed out twice): a deleted user's id is gone, its digest stays."""
-    return hashlib.sha256(user_id.encode()).hexdigest()
+@dataclass(frozen=True)
+class WriteTicket:
+    """A write of a user's facts on a shared store: its write generation before the write, and after it."""
+
+    before: int
+    after: int
 
 
 TURNS_SCHEMA = pa.schema(
@@ -132,7 +135,13 @@ class FactStore:
         self._writes_since_optimize = 0
         self._user_indexed_tables: set[str] = set()
         self._search_cache = UserFactsCache(search_cache_bytes)
-        self._user_reads: dict[str, tuple[int, asyncio.Task[UserFacts]]] = {}
+        self._user_reads: dict[str, tuple[tuple[int, int], asyncio.Task[UserFacts]]] = {}
+        # Shared stores: a user's write holds a coordination connection for its lock and needs another for its
+        # statements. Writes wait for a slot here, on the event loop, and take and release the lock on threads of
+        # their own, so waiting writers never occupy the threads that running writes need.
+        slots = max(1, getattr(coordination.database, "lock_slots", 1))
+        self._lock_slots = asyncio.Semaphore(slots)
+        self._lock_executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="user-lock")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -172,7 +181,10 @@ class FactStore:
     ) -> lancedb.table.AsyncTable:
         if name in existing:
             return await db.open_table(name)
-        table = await db.create_table(name, schema=schema)
+        try:
+            table = await db.create_table(name, schema=schema)
+        except ValueError:  # another replica starting beside this one created it first
+            return await db.open_table(name)
         # Concurrent upserts of the same new key then retry on conflict instead of duplicating.
         await table.set_unenforced_primary_key("key")
         return table
@@ -213,36 +225,52 @@ class FactStore:
         return self._turns
 
     @asynccontextmanager
-    async def _user_writes(self, user_id: str) -> AsyncIterator[None]:
+    async def _user_writes(self, user_id: str, changes_facts: bool = True) -> AsyncIterator[WriteTicket]:
         """Serializes the user's writes, in this process and (shared store) across replicas. A write that fails
         drops the user's cached facts: it may have committed in part, and a cached entry must hold exactly the
-        committed facts (ingest trusts it)."""
+        committed facts (ingest trusts it). On a shared store a write of facts runs inside the user's write
+        sequence (coordination.begin_write / end_write): no replica caches the user while it runs, and every copy
+        cached before it stops being current; cut off midway, the user just stays uncached until its next write."""
         async with self._user_locks[zlib.crc32(user_id.encode()) % _USER_LOCK_STRIPES]:
-            lock = self._coordination.user_lock(user_id) if self._shared else None
-            if lock is not None:
-                await asyncio.to_thread(lock.__enter__)
-            try:
-                yield
-            except BaseException:
-                self._search_cache.invalidate(user_id)
-                raise
-            finally:
-                if lock is not None:
-                    await asyncio.to_thread(lock.__exit__, None, None, None)
+            if not self._shared:
+                try:
+                    yield WriteTicket(0, 0)
+                except BaseException:
+                    self._search_cache.invalidate(user_id)
+                    raise
+                return
+            async with self._lock_slots:  # waiters wait here, on the event loop, not on a thread
+                lock = self._coordination.user_lock(user_id)
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._lock_executor, lock.__enter__)
+                try:
+                    ticket = WriteTicket(0, 0)
+                    if changes_facts:
+                        before = await asyncio.to_thread(self._coordination.write_generation, user_id)
+                        during = await asyncio.to_thread(self._coordination.begin_write, user_id)
+                        ticket = WriteTicket(before, during + 1)
+                    try:
+                        yield ticket
+                    except BaseException:
+                        self._search_cache.invalidate(user_id)
+                        raise
+                    finally:
+                        if changes_facts:
+                            await asyncio.to_thread(self._coordination.end_write, user_id)
+                finally:
+                    await loop.run_in_executor(self._lock_executor, lock.__exit__, None, None, None)
 
-    async def _written(self, user_id: str) -> int:
-        """Counts an acknowledged write of the user (shared stores: other replicas' caches of it become stale);
-        returns the new write generation (0 for a store of its own)."""
-        if not self._shared:
-            return 0
-        return await asyncio.to_thread(self._coordination.bump_write_generation, user_id)
+    async def _store_generation(self, user_id: str) -> int:
+        """The user's write generation on a shared store (0 on a store of its own)."""
+        return await asyncio.to_thread(self._coordination.write_generation, user_id) if self._shared else 0
 
-    async def _current_entry(self, user_id: str) -> UserFacts | None:
-        """The user's cached facts if they reflect the latest write (shared stores ask the coordination store)."""
+    def _current_entry(self, user_id: str, store_generation: int) -> UserFacts | None:
+        """The user's cached facts if they reflect `store_generation`, the user's latest (shared stores: it must
+        be even, no write under way, and the one the copy was read at)."""
         cached = self._search_cache.get(user_id)
         if cached is None or not self._shared:
             return cached
-        if cached.store_generation != await asyncio.to_thread(self._coordination.write_generation, user_id):
+        if store_generation % 2 or cached.store_generation != store_generation:
             self._search_cache.invalidate(user_id)
             return None
         return cached
@@ -260,11 +288,12 @@ class FactStore:
 
     # ------------------------------------------------------------------ facts
 
-    async def _existing_fact_versions(self, user_id: str, fact_ids: Sequence[str]) -> dict[str, tuple[str, int, int]]:
+    async def _existing_fact_versions(self, user_id: str, fact_ids: Sequence[str],
+                                      ticket: WriteTicket) -> dict[str, tuple[str, int, int]]:
         """fact_id -> (content_hash, version, created_at_us) for the ids the user has: from the user's cached facts
-        when cached (callers hold the user's write lock, so the entry is current), else from LanceDB (a filtered
+        when cached and current as of the write (callers hold the user's write lock), else from LanceDB (a filtered
         scan: ~50 ms of CPU at 100k rows with unindexed ones, taken from concurrent queries)."""
-        cached = await self._current_entry(user_id)
+        cached = self._current_entry(user_id, ticket.before)
         if cached is not None:
             return cached.versions(set(fact_ids))
         rows = await (
@@ -284,8 +313,8 @@ class FactStore:
         the users under `tenant_quota`'s prefix past its fact count (checked per call under the user's lock: calls
         for different users of one tenant racing each other can overshoot it by one batch each).
         """
-        async with self._user_writes(user_id):
-            existing = await self._existing_fact_versions(user_id, [fact.fact_id for fact in facts])
+        async with self._user_writes(user_id) as ticket:
+            existing = await self._existing_fact_versions(user_id, [fact.fact_id for fact in facts], ticket)
             results: list[IngestResult] = []
             to_write: list[tuple[NewFact, int, int]] = []
             now = _now_us()
@@ -295,7 +324,7 @@ class FactStore:
                 if previous is None:
                     if first_version is None:
                         first_version = await asyncio.to_thread(
-                            self._coordination.version_floor, _user_digest(user_id)) + 1
+                            self._coordination.version_floor, user_digest(user_id)) + 1
                     results.append(IngestResult(fact.fact_id, first_version, IngestOutcome.CREATED))
                     to_write.append((fact, first_version, now))
                 elif previous[0] == fact.content_hash:
@@ -332,8 +361,8 @@ class FactStore:
                 ]
                 await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)),
                                    all_new=len(to_write) == created)
-                self._search_cache.upsert(
-                    user_id, [fact_row(record) for record in records], vectors, await self._written(user_id))
+                self._search_cache.upsert(user_id, [fact_row(record) for record in records], vectors, ticket.before,
+                                          ticket.after)
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -345,9 +374,11 @@ class FactStore:
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
         LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user)."""
-        cached = await self._current_entry(user_id)
+        store_generation = await self._store_generation(user_id)
+        cached = self._current_entry(user_id, store_generation)
         if cached is None and self._search_cache.may_hold(user_id):
-            cached = await asyncio.shield(self._shared_user_read(user_id))  # a cancelled caller leaves it running
+            # A cancelled caller leaves the read running for the others.
+            cached = await asyncio.shield(self._shared_user_read(user_id, store_generation))
         if cached is not None:
             return cached.top_k(query_vector, top_k)
         rows = await (
@@ -360,15 +391,16 @@ class FactStore:
         )
         return [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
 
-    def _shared_user_read(self, user_id: str) -> asyncio.Task[UserFacts]:
+    def _shared_user_read(self, user_id: str, store_generation: int) -> asyncio.Task[UserFacts]:
         """The read of the user's facts into the search cache: one per user at a time. A search joins a read in
-        flight only if no write to the user came since it started (a later write needs a read that sees it), so
-        a cold user under many concurrent queries costs one LanceDB read, not one per query."""
-        generation = self._search_cache.generation(user_id)
+        flight only if no write to the user came since it started, here or (shared store) on any replica (a later
+        write needs a read that sees it), so a cold user under many concurrent queries costs one LanceDB read, not
+        one per query."""
+        generation = (self._search_cache.generation(user_id), store_generation)
         in_flight = self._user_reads.get(user_id)
         if in_flight is not None and in_flight[0] == generation:
             return in_flight[1]
-        read = asyncio.get_running_loop().create_task(self._read_into_cache(user_id, generation))
+        read = asyncio.get_running_loop().create_task(self._read_into_cache(user_id, *generation))
         self._user_reads[user_id] = (generation, read)
 
         def finished(task: asyncio.Task[UserFacts]) -> None:
@@ -380,21 +412,20 @@ class FactStore:
         read.add_done_callback(finished)
         return read
 
-    async def _read_into_cache(self, user_id: str, generation: int) -> UserFacts:
-        facts = await self._user_facts(user_id)
+    async def _read_into_cache(self, user_id: str, generation: int, store_generation: int) -> UserFacts:
+        facts = await self._user_facts(user_id, store_generation)
         self._search_cache.put(user_id, facts, generation)
         return facts
 
-    async def _user_facts(self, user_id: str) -> UserFacts:
-        # The write generation is taken before the read: a write landing in between makes the entry look stale.
-        store_generation = (await asyncio.to_thread(self._coordination.write_generation, user_id)
-                            if self._shared else 0)
+    async def _user_facts(self, user_id: str, store_generation: int) -> UserFacts:
+        """The user's facts as LanceDB has them now, labelled with the store generation taken before the read (a
+        write landing in between moves it, so the copy is not current); with a write under way (odd), unlabelled."""
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
             [*FACT_ROW_COLUMNS, "vector"]).to_arrow()
         vectors = table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS)))
         return UserFacts(rows, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(rows), self._dim),
-                         store_generation)
+                         -1 if store_generation % 2 else store_generation)
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -415,8 +446,8 @@ class FactStore:
 
     async def delete_facts(self, user_id: str, fact_ids: Sequence[str]) -> list[str]:
         """Deletes the given facts; returns the ids that existed."""
-        async with self._user_writes(user_id):
-            versions = await self._existing_fact_versions(user_id, fact_ids)
+        async with self._user_writes(user_id) as ticket:
+            versions = await self._existing_fact_versions(user_id, fact_ids, ticket)
             found = list(versions)
             if found:
                 await self._raise_version_floor(user_id, max(version for _, version, _ in versions.values()))
@@ -424,7 +455,6 @@ class FactStore:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
                     self._writes_since_optimize += 1
                 self._search_cache.invalidate(user_id)
-                await self._written(user_id)
             return found
 
     async def delete_user(self, user_id: str) -> tuple[int, int]:
@@ -443,12 +473,11 @@ class FactStore:
                     await self._turns_table.delete(condition)
                 self._writes_since_optimize += 1
             self._search_cache.invalidate(user_id)
-            await self._written(user_id)
             return facts, turns
 
     async def _raise_version_floor(self, user_id: str, version: int) -> None:
         """Records, before the facts go, that the user's versions up to `version` are used up."""
-        await asyncio.to_thread(self._coordination.raise_version_floor, _user_digest(user_id), version)
+        await asyncio.to_thread(self._coordination.raise_version_floor, user_digest(user_id), version)
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:
         """(user_id, fact_id, version) of every stored fact."""
@@ -492,9 +521,8 @@ class FactStore:
             ],
             schema=TURNS_SCHEMA,
         )
-        async with self._user_writes(user_id):
+        async with self._user_writes(user_id, changes_facts=False):
             await self._commit(self._turns_table, rows)
-            await self._written(user_id)
         return len(turns)
 
     # ------------------------------------------------------------------ stats

@@ -73,13 +73,13 @@ def validate_query_vector(vector, model_id: str, service_model_id: str, dim: int
     if model_id != service_model_id:
         raise InvalidArgument("embedding_model_id", f"{model_id!r} is not this service's embedding model "
                               f"{service_model_id!r} (GetStats names it)")
-    values = np.asarray(vector, dtype=np.float32)
+    values = np.asarray(vector, dtype=np.float64)
     if values.shape != (dim,):
         raise InvalidArgument("query_vector", f"has {values.size} values; the model's vectors have {dim}")
-    norm = float(np.linalg.norm(values))
-    if not np.isfinite(values).all() or norm == 0.0:
+    norm = float(np.linalg.norm(values)) if np.isfinite(values).all() else float("nan")
+    if not np.isfinite(norm) or norm == 0.0:
         raise InvalidArgument("query_vector", "must be finite and not all zero")
-    return values / norm
+    return (values / norm).astype(np.float32)
 
 
 def derived_fact_id(text: str) -> str:

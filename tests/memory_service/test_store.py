@@ -44,10 +44,10 @@ async def _store_with_facts(tmp_path) -> tuple[FactStore, list[int]]:
     reads: list[int] = []
     real_read = store._user_facts
 
-    async def counted_read(user_id: str):
+    async def counted_read(user_id: str, store_generation: int):
         reads.append(1)
         await asyncio.sleep(0.05)  # a read slow enough for the other searches to arrive while it runs
-        return await real_read(user_id)
+        return await real_read(user_id, store_generation)
 
     store._user_facts = counted_read
     return store, reads
