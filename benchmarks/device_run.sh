@@ -26,7 +26,7 @@ case $stage in
       | grep "^run=" | tee "$out/failure-path.txt" ;;
   latency)
     python3 -m benchmarks.serve "${common[@]}" --k 5 10 20 50 --tails 1 --users 4 --facts-per-user 60 \
-      --requests 16 --concurrency 1 --output "$out/serve-latency" \
+      --requests 8 --concurrency 1 --output "$out/serve-latency" \
       --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192 --embed-queries-locally" \
       2>&1 | quiet | tee "$out/serve-latency.txt" ;;
   throughput)
