@@ -6,7 +6,7 @@ the OpenAI API.
     python -m benchmarks.serve --shape llama3-8b --kv-dtype bfloat16 --node-flags "..."     # GPU speed run
 
 Contenders (each request's `memory` field; same users, same questions, interleaved per k):
-- kv: the retrieved facts' KV injected (best fact last);
+- kv: the retrieved facts' KV injected (best fact last), all of them (whatever the node's default tail);
 - text: the same facts as text in the same prompt, vLLM prefix caching on;
 - text-stable: the same facts as text in a stable per-user order (creation order), so that a user's consecutive
   prompts share their longest common prefix and vLLM's prefix cache reuses it: the best text deployment;
@@ -57,7 +57,7 @@ from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.progress import wait_for_kv
 
 # contender -> the request's memory field beside user_id and top_k
-CONTENDERS: dict[str, dict] = {"kv": {"mode": "kv"}, "text": {"mode": "text"},
+CONTENDERS: dict[str, dict] = {"kv": {"mode": "kv", "recompute_tail_facts": 0}, "text": {"mode": "text"},
                                "text-stable": {"mode": "text", "order": "created"}, "off": {"mode": "off"}}
 WORKLOADS = ("synthetic", "varying", "long", "cold")
 WARM_USERS = 2  # the cold workload's kv-warm contender: users whose KV the node cache holds

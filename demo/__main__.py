@@ -21,6 +21,7 @@ from demo.smollm2 import build_smollm2
 from inference_node.launcher import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.progress import wait_for_kv
 
@@ -53,7 +54,7 @@ def ask(client, model: str, question: str, user_id: str, mode: str, top_k: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--top-k", type=int, default=10)
-    parser.add_argument("--context-window", type=int, default=5)
+    parser.add_argument("--context-window", type=int, default=DEFAULT_CONTEXT_WINDOW)
     args = parser.parse_args()
     conversation = load_conversation()
 

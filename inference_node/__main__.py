@@ -16,11 +16,11 @@ from pathlib import Path
 
 from inference_node.crossover import measured_crossover, shape_key
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
-from inference_node.settings import SETTINGS_ENV, NodeSettings
+from inference_node.settings import DEFAULT_RECOMPUTE_TAIL_FACTS, SETTINGS_ENV, NodeSettings
 from inferscale_kv.device_telemetry import read_device
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from inferscale_kv.model_profile import build_model_profile
-from inferscale_kv.profile import KV_DTYPES
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW, KV_DTYPES
 
 ENV_PREFIX = "INFERSCALE_NODE_"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-id", default=_env("node_id", socket.gethostname()))
     parser.add_argument("--kv-dtype", default=_env("kv_dtype", "float32"), choices=KV_DTYPES,
                         help="storage dtype of the fact KV this node serves (the workers' --kv-dtype)")
-    parser.add_argument("--context-window", type=int, default=int(_env("context_window", 0)),
+    parser.add_argument("--context-window", type=int, default=int(_env("context_window", DEFAULT_CONTEXT_WINDOW)),
                         help="the workers' --context-window")
     parser.add_argument("--model-name", default=_env("model_name", None), help="the workers' --model-name")
     parser.add_argument("--node-cache-mb", type=int, default=int(_env("node_cache_mb", 4096)),
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve a memory shorter than this (injectable tokens) as text, where injecting it is "
                         "slower; -1: the crossover measured for this model, dtype and device (kv_crossover.json), 0 "
                         "if none was")
-    parser.add_argument("--recompute-tail-facts", type=int, default=int(_env("recompute_tail_facts", 0)),
+    parser.add_argument("--recompute-tail-facts", type=int,
+                        default=int(_env("recompute_tail_facts", DEFAULT_RECOMPUTE_TAIL_FACTS)),
                         help="kv mode: prefill the m facts nearest the question as text after the injected ones")
     parser.add_argument("--retrieve-timeout-s", type=float, default=float(_env("retrieve_timeout_s", 2.0)),
                         help="deadline of the RetrieveAndStage call; past it the request is answered without memory")

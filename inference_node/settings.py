@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, field
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
+# kv mode's default recomputed tail: picked with the default window on the LoCoMo development conversations, where
+# prefilling the 2 facts nearest the question brought kv's F1 to text's (benchmarks/RESULTS.md, "LoCoMo quality").
+DEFAULT_RECOMPUTE_TAIL_FACTS = 2
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class NodeSettings:
     synchronous_loads: bool = False
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).
-    recompute_tail_facts: int = 0
+    recompute_tail_facts: int = DEFAULT_RECOMPUTE_TAIL_FACTS
     # kv mode: a memory whose injectable part is shorter than this (tokens) is served as text, where injecting it
     # was measured slower than prefilling it (inference_node.crossover); a request may ask for another value.
     kv_crossover_tokens: int = 0

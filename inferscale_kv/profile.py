@@ -8,6 +8,10 @@ from typing import Protocol
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
 ALL_PRECEDING_TURNS = -1
+# Context-Window Encoding's default window (turns before a fact's source turn): picked on the six LoCoMo development
+# conversations, where it was the window whose answers (F1) did not fall below text's while its gold-answer NLL stayed
+# below text's (benchmarks/RESULTS.md, "LoCoMo quality"). Workers and nodes must agree on it (it is in the profile).
+DEFAULT_CONTEXT_WINDOW = 50
 RECIPE = "chunked-rope-cwe"
 # Bump when the encoding changes in any way that changes bytes (window rule, turn rendering, capture point).
 RECIPE_VERSION = 1

@@ -16,7 +16,7 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import WORKER, memory_service_channel
 from inferscale_kv.layout import memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
-from inferscale_kv.profile import KV_DTYPES
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW, KV_DTYPES
 from inferscale_kv.runtime import configure_logging
 from precompute_worker.encoder import DTYPES, FactEncoder
 from precompute_worker.worker import PrecomputeWorker
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=_env("dtype", "float32"), choices=sorted(DTYPES), help="compute dtype")
     parser.add_argument("--kv-dtype", default=_env("kv_dtype", None), choices=KV_DTYPES,
                         help="storage dtype (default: the compute dtype)")
-    parser.add_argument("--context-window", type=int, default=int(_env("context_window", 0)),
+    parser.add_argument("--context-window", type=int, default=int(_env("context_window", DEFAULT_CONTEXT_WINDOW)),
                         help="Context-Window Encoding: preceding turns (0 none, -1 all)")
     parser.add_argument("--device", default=_env("device", "cpu"))
     parser.add_argument("--worker-id", default=_env("worker_id", f"{socket.gethostname()}-{os.getpid()}"))

@@ -19,10 +19,13 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.worker import profile_message
 
-NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--retrieve-timeout-s", "30")
+# The injection mechanics under test: every fact with KV is injected unless a test asks for a tail.
+NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--retrieve-timeout-s", "30",
+              "--recompute-tail-facts", "0")
 
 
 @dataclass
@@ -37,7 +40,8 @@ class Completion:
 def tiny_profile(model_dir: Path) -> pb.KvProfile:
     from transformers import AutoTokenizer
 
-    return profile_message(build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), "float32", 0))
+    return profile_message(build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), "float32",
+                                               DEFAULT_CONTEXT_WINDOW))
 
 
 def complete(node: InferenceNodeProcess, prompt: str, memory: dict | None, max_tokens: int = 12) -> Completion:

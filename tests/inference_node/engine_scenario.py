@@ -89,6 +89,7 @@ def main(mode: str, args: list[str]) -> None:
     from inference_node.settings import NodeSettings
     from inferscale_kv.layout import memory_header_ids, memory_header_text
     from inferscale_kv.model_profile import build_model_profile
+    from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 
     if mode == "service":
         memory_service, model_dir, metrics_url, user_id = args[:4]
@@ -98,7 +99,7 @@ def main(mode: str, args: list[str]) -> None:
         model_dir, dtype = args[0], (args[1] if len(args) > 1 else "float32")
     synchronous_loads = (args[2] if mode == "local" and len(args) > 2 else "sync") == "sync"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    profile = build_model_profile(Path(model_dir), tokenizer, "float32", 0)
+    profile = build_model_profile(Path(model_dir), tokenizer, "float32", DEFAULT_CONTEXT_WINDOW)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     local_kv = {}
     if mode == "service":

@@ -16,6 +16,7 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE_TOKEN_ENV
 from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from memory_service.launcher import MemoryServiceProcess
 from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _write
 
@@ -35,7 +36,8 @@ def guarded_service(tmp_path_factory):
 
 def _serve_one(guarded_service, tiny_llama_dir, monkeypatch) -> tuple[dict, dict]:
     """One text-mode chat request for acme/maya through the middleware: (body vLLM got, memory summary)."""
-    profile = build_model_profile(tiny_llama_dir, AutoTokenizer.from_pretrained(tiny_llama_dir), "float32", 0)
+    profile = build_model_profile(tiny_llama_dir, AutoTokenizer.from_pretrained(tiny_llama_dir), "float32",
+                                  DEFAULT_CONTEXT_WINDOW)
     settings = NodeSettings(memory_service=guarded_service.address, node_id="node-1", model_dir=str(tiny_llama_dir),
                             profile=profile.as_dict(), retrieve_timeout_s=30)
     monkeypatch.setenv(SETTINGS_ENV, settings.to_json())

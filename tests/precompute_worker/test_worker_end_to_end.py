@@ -56,7 +56,7 @@ def test_kv_through_worker_and_service_reproduces_plain_prefill(memory_service, 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     profile = profile_message(build_model_profile(tiny_llama_dir, tokenizer, "float32", context_window=0))
 
-    run_worker(memory_service, tiny_llama_dir, "--max-facts", "8")
+    run_worker(memory_service, tiny_llama_dir, "--max-facts", "8", "--context-window", "0")
 
     (fact,) = _retrieve_all(stub, user_id, profile)
     (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user_id,
