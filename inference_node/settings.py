@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
-# kv mode's default recomputed tail: picked with the default window on the LoCoMo development conversations, where
-# prefilling the 2 facts nearest the question brought kv's F1 to text's (benchmarks/RESULTS.md, "LoCoMo quality").
-DEFAULT_RECOMPUTE_TAIL_FACTS = 2
+# kv mode's default recomputed tail: none. On the LoCoMo development conversations (w=50) a tail of 1 changed neither
+# NLL nor F1 beyond noise, a tail of 2 moved F1 closer to text's (within noise) but cost 24% of kv's engine TTFT at
+# k=50 on the CPU, past the 15% allowed (benchmarks/RESULTS.md, "LoCoMo quality" and "Serving").
+DEFAULT_RECOMPUTE_TAIL_FACTS = 0
 
 
 @dataclass(frozen=True)
