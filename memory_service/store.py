@@ -54,6 +54,12 @@ class StoreMismatch(RuntimeError):
     """The data directory was written with another embedding model or dimension."""
 
 
+def _is_commit_conflict(error: Exception) -> bool:
+    """Lance's report that a concurrent commit (another replica's, a compaction) preempted this one, which then
+    wrote nothing. Lance retries appends, merges and deletes itself; index builds and compactions it reports."""
+    return "Retryable commit conflict" in str(error)
+
+
 def _sql_list(values: Sequence[str]) -> str:
     return ", ".join(f"'{value}'" for value in values)
 
@@ -198,17 +204,34 @@ class FactStore:
             return
         indexed = {column for index in await table.list_indices() for column in index.columns}
         if "user_id" not in indexed and await table.count_rows() > 0:
-            await table.create_index("user_id", config=BTree())
-            indexed.add("user_id")
+            try:
+                await table.create_index("user_id", config=BTree())
+            except RuntimeError as error:
+                if not _is_commit_conflict(error):
+                    raise
+                # Another replica's index or compaction committed first: the index is its, or the next write's.
+                await table.checkout_latest()
+                indexed = {column for index in await table.list_indices() for column in index.columns}
+            else:
+                indexed.add("user_id")
         if "user_id" in indexed:
             self._user_indexed_tables.add(table.name)
 
     async def optimize(self) -> None:
-        """Compacts small write fragments and folds new rows into the indices."""
+        """Compacts small write fragments and folds new rows into the indices. A compaction preempted by a
+        concurrent write (another replica's) is left to the next call."""
+        preempted = False
         for table in (self._facts_table, self._turns_table):
             await self._ensure_user_index(table)
-            await table.optimize()
-        self._writes_since_optimize = 0
+            try:
+                await table.optimize()
+            except RuntimeError as error:
+                if not _is_commit_conflict(error):
+                    raise
+                preempted = True
+                log.info("store_optimize_preempted", table=table.name, reason=str(error).split(",")[0])
+        if not preempted:
+            self._writes_since_optimize = 0
 
     @property
     def writes_since_optimize(self) -> int:

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,4 +184,16 @@ def memory_service_replicas(root: Path, replicas: int, *flags: str, shared: bool
                                            *shared_flags, env=env)
             stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
             services.append(service.start())
-        yield Replicas(services, s3, bucket)
+        try:
+            yield Replicas(services, s3, bucket)
+        except BaseException:
+            _print_logged_errors(root.glob("replica-*.log"))
+            raise
+
+
+def _print_logged_errors(logs: Iterable[Path]) -> None:
+    """The error records (tracebacks included) of the services' JSON logs, for a failing test's report."""
+    for log in sorted(logs):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"level": "error"' in line or '"exception"' in line:
+                print(f"{log.name}: {line[:4000]}")

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import lancedb
 import numpy as np
+import pyarrow as pa
 import pytest
+from lancedb.index import BTree
 
 from memory_service.coordination import CoordinationStore
 from memory_service.models import IngestOutcome, NewFact
@@ -124,3 +127,40 @@ async def test_a_write_that_fails_after_committing_drops_the_cache_so_its_retry_
     retried = await store.ingest_facts("u", [NewFact("f2", "axis-2 new")], _axis_embed)
     assert [(r.version, r.outcome) for r in retried] == [(1, IngestOutcome.UNCHANGED)]
     assert await store._facts_table.count_rows() == 3
+
+
+async def test_a_user_index_built_by_another_writer_first_does_not_fail_this_ones_write(tmp_path) -> None:
+    """Replicas build the user_id index after their first write to a table; two at once conflict in LanceDB. The
+    loser's write committed already and must not be reported as failed (CI saw IngestFacts answer INTERNAL)."""
+    store = _local_store(tmp_path)
+    await store.open()
+    rows = [{"key": f"other|f{i}", "user_id": "other", "fact_id": f"f{i}", "text": "t", "source_turn_id": "",
+             "timestamp_us": 0, "metadata_json": "{}", "content_hash": "h", "version": 1, "created_at_us": 0,
+             "updated_at_us": 0, "vector": [0.0] * DIM} for i in range(2)]
+    facts = store._facts_table
+    await facts.add(pa.Table.from_pylist(rows, schema=facts_schema(DIM)))
+    other_replica = await (await lancedb.connect_async(str(tmp_path / "lancedb"))).open_table("facts")
+    await other_replica.create_index("user_id", config=BTree())
+
+    await store._ensure_user_index(facts)  # this replica's view predates the other's index
+
+    assert [index.columns for index in await facts.list_indices()] == [["user_id"]]
+    await store.ingest_facts("u", [NewFact("f0", "axis-0 fact")], _axis_embed)
+    assert [index.columns for index in await facts.list_indices()] == [["user_id"]]
+
+
+async def test_a_compaction_preempted_by_another_writers_delete_is_left_for_later(tmp_path) -> None:
+    store = _local_store(tmp_path)
+    await store.open()
+    for i in range(3):  # three fragments, for compaction to merge
+        await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact")], _axis_embed)
+    other_replica = await (await lancedb.connect_async(str(tmp_path / "lancedb"))).open_table("facts")
+    await other_replica.delete("fact_id = 'f1'")
+
+    await store.optimize()  # this replica's view predates the other's delete
+
+    assert store.writes_since_optimize > 0  # the next round compacts
+    await store._facts_table.checkout_latest()
+    await store.optimize()
+    assert store.writes_since_optimize == 0
+    assert sorted(row["fact_id"] for row in await store._facts_table.query().to_list()) == ["f0", "f2"]
