@@ -5,8 +5,9 @@ against replicas sharing a real PostgreSQL and a real S3-compatible store (Seawe
 
 Per RetrieveAndStage call, for users the replica has cached and users it has not: the service's CPU milliseconds
 (its processes' user + system time, /proc), coordination statements (the service's own counter), object-store
-requests (the store's counter: LanceDB's reads and the KV tier's), with the query embedded by the service and by the
-caller. Then p50/p99 of RetrieveAndStage under a closed loop of --callers at 1 and 3 replicas (the client shares the
+requests (the store's counter: LanceDB's reads and the KV tier's), and the CPU milliseconds of the PostgreSQL and
+SeaweedFS servers, with the query embedded by the service and by the caller (`python -m benchmarks.capacity` scales
+them to a fleet). Then p50/p99 of RetrieveAndStage under a closed loop of --callers at 1 and 3 replicas (the client shares the
 machine's cores with the replicas, the database and the store). Writes results.json and report.md under --output.
 """
 
@@ -56,12 +57,31 @@ def service_counter(service: MemoryServiceProcess, name: str) -> float:
                    if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
+def server_cpu_seconds(command: str) -> float:
+    """CPU seconds of the live processes named `command` (PostgreSQL's postmaster and its backends, SeaweedFS's
+    `weed`): this benchmark runs one server of each."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended
+            continue
+        if text[text.index("(") + 1:text.rindex(")")] == command:
+            fields = text.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
 def totals(deployed: Replicas) -> dict[str, float]:
-    """The replicas' CPU seconds and coordination statements so far, and the store's S3 requests."""
+    """The replicas' CPU seconds and coordination statements so far, the store's S3 requests, and the CPU seconds
+    of the database and object-store servers (0 on the embedded defaults, which have none)."""
+    shared = deployed.s3 is not None
     return {"cpu_s": sum(cpu_seconds(s.process.pid) for s in deployed.services),
             "statements": sum(service_counter(s, "inferscale_coordination_statements_total")
                               for s in deployed.services),
-            "s3_requests": deployed.s3.requests_served() if deployed.s3 else 0.0}
+            "s3_requests": deployed.s3.requests_served() if shared else 0.0,
+            "postgres_cpu_s": server_cpu_seconds("postgres") if shared else 0.0,
+            "object_store_cpu_s": server_cpu_seconds("weed") if shared else 0.0}
 
 
 def user_name(index: int) -> str:
@@ -95,8 +115,8 @@ def per_call_costs(deployed: Replicas, stub, users: list[int], queries: list[str
         stub.RetrieveAndStage(request(index, query), timeout=60)
     after = totals(deployed)
     calls = min(len(users), len(queries) - 1)
-    return {name: (after[name] - before[name]) / calls * (1000 if name == "cpu_s" else 1) for name in before} | {
-        "calls": calls}
+    return {name: (after[name] - before[name]) / calls * (1000 if name.endswith("cpu_s") else 1)
+            for name in before} | {"calls": calls}
 
 
 async def latency(deployed: Replicas, users: int, queries: list[str], callers: int, seconds: float) -> dict:
@@ -172,12 +192,14 @@ def main() -> None:
 
 def markdown(results: dict) -> str:
     lines = ["| setup | user | query embedded by | service CPU ms/call | coordination statements/call | "
-             "object-store requests/call |", "|---|---|---|---:|---:|---:|"]
+             "object-store requests/call | PostgreSQL CPU ms/call | object-store CPU ms/call |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for setup, rows in results["costs"].items():
         for label, row in rows.items():
             cache, embedder = label.split(", ")
             lines.append(f"| {setup} | {cache} | {embedder.removesuffix(' embeds')} | {row['cpu_s']:.2f} | "
-                         f"{row['statements']:.2f} | {row['s3_requests']:.2f} |")
+                         f"{row['statements']:.2f} | {row['s3_requests']:.2f} | {row['postgres_cpu_s']:.3f} | "
+                         f"{row['object_store_cpu_s']:.3f} |")
     lines += ["", "| setup | callers | req/s | p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|"]
     for setup, row in results["latency"].items():
         lines.append(f"| {setup} | {results['args']['callers']} | {row['throughput_rps']} | {row['p50_ms']} | "
