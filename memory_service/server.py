@@ -38,17 +38,27 @@ CONNECTION_AGE_GRACE_S = 30
 
 
 async def _optimize_periodically(servicer: MemoryServicer) -> None:
-    """Folds small write fragments together so per-user scans stay fast as ingests accumulate."""
+    """Folds small write fragments together and into the user index, so that reading an uncached user stays an
+    index lookup as ingests accumulate: every --optimize-interval-s, or as soon as --optimize-after-writes writes
+    are waiting (a burst of ingest, such as a bulk import, left uncompacted makes every uncached read scan them)."""
+    config = servicer.config
+    last = time.monotonic()
     while True:
-        await asyncio.sleep(servicer.config.optimize_interval_s)
+        await asyncio.sleep(1.0)
         store = servicer.store
-        if store is not None and store.writes_since_optimize:
-            try:
-                started = time.perf_counter()
-                await store.optimize()
-                log.info("store_optimized", seconds=round(time.perf_counter() - started, 3))
-            except Exception:  # noqa: BLE001 - maintenance must not take the service down
-                log.exception("store_optimize_failed")
+        if store is None or not store.writes_since_optimize:
+            continue
+        if (store.writes_since_optimize < config.optimize_after_writes
+                and time.monotonic() - last < config.optimize_interval_s):
+            continue
+        last = time.monotonic()
+        try:
+            started = time.perf_counter()
+            writes = store.writes_since_optimize
+            await store.optimize()
+            log.info("store_optimized", writes=writes, seconds=round(time.perf_counter() - started, 3))
+        except Exception:  # noqa: BLE001 - maintenance must not take the service down
+            log.exception("store_optimize_failed")
 
 
 async def _sweep_tiers_periodically(servicer: MemoryServicer) -> None:

@@ -1,6 +1,7 @@
 """The data directory survives restarts, graceful or not."""
 
 import signal
+import time
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
@@ -46,3 +47,22 @@ def test_acknowledged_facts_survive_kill_9(tmp_path) -> None:
         _assert_all_there(restarted)
     finally:
         restarted.stop()
+
+
+def test_a_burst_of_writes_is_compacted_without_waiting_for_the_interval(tmp_path) -> None:
+    """An uncached user's read scans every write not yet folded into the user index; a bulk import must not leave
+    them for the next --optimize-interval-s (the full load test's warm-up timed out reading 1,000 such users)."""
+    log = tmp_path / "log"
+    service = MemoryServiceProcess(tmp_path / "data", log, "--optimize-interval-s", "3600",
+                                   "--optimize-after-writes", "3").start()
+    try:
+        with service.channel() as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            for batch in range(3):
+                stub.IngestFacts(pb.IngestFactsRequest(user_id=f"bulk-{batch}", facts=[pb.FactInput(text="a fact")]))
+        deadline = time.monotonic() + 30
+        while '"store_optimized"' not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert '"store_optimized"' in log.read_text()
+    finally:
+        service.stop()
