@@ -68,7 +68,8 @@ class ServiceConfig:
     # ~170 ms (every 30 s, that set the p99 under load); rows written since are found by a scan meanwhile.
     optimize_interval_s: float = 300.0
     # ... and sooner after a burst: an uncached user's read scans every write not yet folded into the index (72 ms
-    # at 300 users' ingests, 2.6 ms after; measured), so a bulk import is compacted when it has written this many.
+    # at 300 users' ingests, 2.6 ms after; measured), so a bulk import is compacted once it has written this many
+    # (each compaction also grows LanceDB's caches and the process's memory a little: not after every few writes).
     optimize_after_writes: int = 1000
     auth_file: Path | None = None
     tls_cert_file: Path | None = None

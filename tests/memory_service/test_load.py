@@ -32,6 +32,7 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
+from memory_service.config import ServiceConfig
 from memory_service.launcher import MemoryServiceProcess
 from tests.servers import Replicas, memory_service_replicas
 
@@ -194,12 +195,28 @@ async def _warm_up(stub, shape: LoadShape) -> float:
     return time.perf_counter() - started
 
 
-async def _run(services: list[MemoryServiceProcess], shape: LoadShape) -> LoadReport:
+def _compactions(service: MemoryServiceProcess) -> int:
+    return service.log_path.read_text(errors="replace").count('"store_optimized"')
+
+
+async def _compacted_since(services: list[MemoryServiceProcess], before: list[int], timeout_s: float = 300) -> None:
+    """Until every replica has compacted its share of the import once (--optimize-after-writes), as an operator's
+    bulk import ends: reads of users not yet cached then find their rows through the user index."""
+    deadline = time.monotonic() + timeout_s
+    while any(_compactions(service) <= count for service, count in zip(services, before, strict=True)):
+        assert time.monotonic() < deadline, "the import was never compacted"
+        await asyncio.sleep(0.5)
+
+
+async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_after_writes: int) -> LoadReport:
     report = LoadReport(shape=shape)
     target = Replicas(services, None, "").address
     async with grpc.aio.insecure_channel(target, options=REPLICA_OPTIONS) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        compactions = [_compactions(service) for service in services]
         await _populate(stub, shape)
+        if shape.users // len(services) >= optimize_after_writes:  # one ingest call per user, round robin
+            await _compacted_since(services, compactions)
         report.warmup_s = await _warm_up(stub, shape)
         running = True
 
@@ -220,9 +237,13 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape) -> LoadRe
 def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float, replicas: int = 1) -> dict:
     # With replicas sharing the machine's 2 cores, each gets one embedding thread.
     threads = "2" if replicas == 1 else "1"
-    with memory_service_replicas(tmp_path, replicas, "--embedding-threads", threads, shared=replicas > 1,
+    # One replica runs on the defaults. Replicas each take a share of the import, below the default compaction
+    # trigger: they compact theirs twice along the way, as an operator's bulk import through them would be set up.
+    optimize_after_writes = ServiceConfig.optimize_after_writes if replicas == 1 else max(1, shape.users // replicas // 2)
+    flags = [] if replicas == 1 else ["--optimize-after-writes", str(optimize_after_writes)]
+    with memory_service_replicas(tmp_path, replicas, "--embedding-threads", threads, *flags, shared=replicas > 1,
                                  bucket="load") as deployed:
-        report = asyncio.run(_run(deployed.services, shape))
+        report = asyncio.run(_run(deployed.services, shape, optimize_after_writes))
     summary = {**report.summary(), "replicas": replicas}
     output = REPO_ROOT / "results" / "load"
     output.mkdir(parents=True, exist_ok=True)
