@@ -33,18 +33,18 @@ def model(costs: dict[str, dict[str, float]], args: argparse.Namespace) -> dict:
     scenarios = {}
     for name in SCENARIOS:
         row = costs[name]
-        service_cores = rate * row["cpu_s"] / 1000
-        postgres_cores = rate * row["postgres_cpu_s"] / 1000
+        service_cores = rate * row["cpu_ms"] / 1000
+        postgres_cores = rate * row["postgres_cpu_ms"] / 1000
         scenarios[name] = {
             "service_cores": service_cores,
             "replicas": math.ceil(service_cores / (args.cores_per_replica * args.target_utilization)),
             "postgres_statements_per_s": rate * row["statements"],
             "postgres_cores": postgres_cores,
             # One PostgreSQL primary takes every call's statements: the rate its cores allow.
-            "postgres_max_calls_per_s": args.postgres_cores * args.target_utilization * 1000 / row["postgres_cpu_s"]
-            if row["postgres_cpu_s"] > 0 else math.inf,
+            "postgres_max_calls_per_s": args.postgres_cores * args.target_utilization * 1000 / row["postgres_cpu_ms"]
+            if row["postgres_cpu_ms"] > 0 else math.inf,
             "object_store_requests_per_s": rate * row["s3_requests"],
-            "object_store_cores": rate * row["object_store_cpu_s"] / 1000,
+            "object_store_cores": rate * row["object_store_cpu_ms"] / 1000,
         }
     kv_gets = rate * args.top_k * args.kv_miss_rate
     return {

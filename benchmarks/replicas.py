@@ -131,8 +131,12 @@ def per_call_costs(deployed: Replicas, stub, users: list[int], queries: list[str
         stub.RetrieveAndStage(request(index, query), timeout=60)
     after = totals(deployed)
     calls = min(len(users), len(queries) - 1)
-    return {name: (after[name] - before[name]) / calls * (1000 if name.endswith("cpu_s") else 1)
-            for name in before} | {"calls": calls}
+    per_call = {}
+    for name in before:  # CPU seconds become milliseconds per call
+        delta = (after[name] - before[name]) / calls
+        per_call[name.removesuffix("_s") + "_ms" if name.endswith("cpu_s") else name] = \
+            delta * 1000 if name.endswith("cpu_s") else delta
+    return per_call | {"calls": calls}
 
 
 async def latency(deployed: Replicas, users: int, queries: list[str], callers: int, seconds: float) -> dict:
@@ -223,9 +227,9 @@ def markdown(results: dict) -> str:
     for setup, rows in results["costs"].items():
         for label, row in rows.items():
             cache, embedder = label.split(", ")
-            lines.append(f"| {setup} | {cache} | {embedder.removesuffix(' embeds')} | {row['cpu_s']:.2f} | "
-                         f"{row['statements']:.2f} | {row['s3_requests']:.2f} | {row['postgres_cpu_s']:.3f} | "
-                         f"{row['object_store_cpu_s']:.3f} |")
+            lines.append(f"| {setup} | {cache} | {embedder.removesuffix(' embeds')} | {row['cpu_ms']:.2f} | "
+                         f"{row['statements']:.2f} | {row['s3_requests']:.2f} | {row['postgres_cpu_ms']:.3f} | "
+                         f"{row['object_store_cpu_ms']:.3f} |")
     lines += ["", "| setup | callers | req/s | p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|---:|"]
     for setup, row in results["latency"].items():
         lines.append(f"| {setup} | {results['args']['callers']} | {row['throughput_rps']} | {row['p50_ms']} | "

@@ -40,25 +40,31 @@ CONNECTION_AGE_GRACE_S = 30
 async def _optimize_periodically(servicer: MemoryServicer) -> None:
     """Folds small write fragments together and into the user index, so that reading an uncached user stays an
     index lookup as ingests accumulate: every --optimize-interval-s, or as soon as --optimize-after-writes writes
-    are waiting (a burst of ingest, such as a bulk import, left uncompacted makes every uncached read scan them)."""
+    are waiting (a burst of ingest, such as a bulk import, left uncompacted makes every uncached read scan them).
+    A compaction that failed, or that another replica's write preempted, is tried again after a back-off that
+    doubles up to the interval, so a lasting error or a busy shared store does not make it a loop."""
     config = servicer.config
-    last = time.monotonic()
+    last, backoff_s = time.monotonic(), 0.0
     while True:
         await asyncio.sleep(1.0)
         store = servicer.store
         if store is None or not store.writes_since_optimize:
             continue
-        if (store.writes_since_optimize < config.optimize_after_writes
-                and time.monotonic() - last < config.optimize_interval_s):
+        waited = time.monotonic() - last
+        if waited < backoff_s or (store.writes_since_optimize < config.optimize_after_writes
+                                  and waited < config.optimize_interval_s):
             continue
         last = time.monotonic()
         try:
             started = time.perf_counter()
             writes = store.writes_since_optimize
-            await store.optimize()
-            log.info("store_optimized", writes=writes, seconds=round(time.perf_counter() - started, 3))
+            if await store.optimize():
+                backoff_s = 0.0
+                log.info("store_optimized", writes=writes, seconds=round(time.perf_counter() - started, 3))
+                continue
         except Exception:  # noqa: BLE001 - maintenance must not take the service down
             log.exception("store_optimize_failed")
+        backoff_s = min(max(2 * backoff_s, 5.0), config.optimize_interval_s)
 
 
 async def _sweep_tiers_periodically(servicer: MemoryServicer) -> None:

@@ -57,7 +57,7 @@ class StoreMismatch(RuntimeError):
 def _is_commit_conflict(error: Exception) -> bool:
     """Lance's report that a concurrent commit (another replica's, a compaction) preempted this one, which then
     wrote nothing. Lance retries appends, merges and deletes itself; index builds and compactions it reports."""
-    return "Retryable commit conflict" in str(error)
+    return "Retryable commit conflict for version" in str(error)
 
 
 def _sql_list(values: Sequence[str]) -> str:
@@ -217,9 +217,11 @@ class FactStore:
         if "user_id" in indexed:
             self._user_indexed_tables.add(table.name)
 
-    async def optimize(self) -> None:
+    async def optimize(self) -> bool:
         """Compacts small write fragments and folds new rows into the indices. A compaction preempted by a
-        concurrent write (another replica's) is left to the next call."""
+        concurrent write (another replica's) is left to the next call. Returns whether every table was compacted;
+        writes committed while it ran still count towards the next call."""
+        writes = self._writes_since_optimize
         preempted = False
         for table in (self._facts_table, self._turns_table):
             await self._ensure_user_index(table)
@@ -231,7 +233,8 @@ class FactStore:
                 preempted = True
                 log.info("store_optimize_preempted", table=table.name, reason=str(error).split(",")[0])
         if not preempted:
-            self._writes_since_optimize = 0
+            self._writes_since_optimize -= writes
+        return not preempted
 
     @property
     def writes_since_optimize(self) -> int:
@@ -307,7 +310,10 @@ class FactStore:
             else:
                 await table.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
             self._writes_since_optimize += 1
-            await self._ensure_user_index(table)
+            try:
+                await self._ensure_user_index(table)
+            except Exception:  # noqa: BLE001 - the write committed; the index is the next write's or optimize's
+                log.exception("user_index_deferred", table=table.name)
 
     # ------------------------------------------------------------------ facts
 

@@ -14,7 +14,7 @@ def test_llama3_8b_fp8_kv_is_64_kib_per_token() -> None:
 
 
 def test_measured_costs_scale_to_the_target_rate(tmp_path, monkeypatch, capsys) -> None:
-    row = {"cpu_s": 5.0, "statements": 2.0, "s3_requests": 0.5, "postgres_cpu_s": 0.25, "object_store_cpu_s": 1.0}
+    row = {"cpu_ms": 5.0, "statements": 2.0, "s3_requests": 0.5, "postgres_cpu_ms": 0.25, "object_store_cpu_ms": 1.0}
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"costs": {capacity.SHARED_SETUP: {name: row for name in capacity.SCENARIOS}}}))
     monkeypatch.setattr("sys.argv", ["capacity", "--replicas-results", str(results), "--calls-per-s", "1000",

@@ -87,13 +87,15 @@ class LoadReport:
     phases: dict[str, PhaseReport] = field(default_factory=dict)
     warmup_s: float = 0.0
     rss_mib: list[float] = field(default_factory=list)  # sampled each second from the end of the warm-up
+    rss_mib_after_phase: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {"shape": asdict(self.shape), "warmup_s": round(self.warmup_s, 1),
                 "phases": {phase.name: self.phases[phase.name].summary(phase) for phase in self.shape.phases},
                 "rss_mib_after_warmup": self.rss_mib[0] if self.rss_mib else None,
                 "rss_mib_max": max(self.rss_mib) if self.rss_mib else None,
-                "rss_mib_end": self.rss_mib[-1] if self.rss_mib else None}
+                "rss_mib_end": self.rss_mib[-1] if self.rss_mib else None,
+                "rss_mib_after_phase": self.rss_mib_after_phase}
 
 
 def _user(index: int) -> str:
@@ -229,6 +231,7 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_
         for phase in shape.phases:
             report.phases[phase.name] = PhaseReport()
             await _run_phase(stub, shape, phase, report.phases[phase.name])
+            report.rss_mib_after_phase[phase.name] = round(sum(_rss_mib(s.process.pid) for s in services), 1)
         running = False
         await sampler
     return report
@@ -237,8 +240,9 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_
 def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: float, replicas: int = 1) -> dict:
     # With replicas sharing the machine's 2 cores, each gets one embedding thread.
     threads = "2" if replicas == 1 else "1"
-    # One replica runs on the defaults. Replicas each take a share of the import, below the default compaction
-    # trigger: they compact theirs twice along the way, as an operator's bulk import through them would be set up.
+    # One replica runs on the defaults. Replicas each take a third of the import, below the default compaction
+    # trigger, so each compacts after every half of its share: at most half of it is left unindexed when the
+    # warm-up starts (the wait below sees each replica's first compaction).
     optimize_after_writes = ServiceConfig.optimize_after_writes if replicas == 1 else max(1, shape.users // replicas // 2)
     flags = [] if replicas == 1 else ["--optimize-after-writes", str(optimize_after_writes)]
     with memory_service_replicas(tmp_path, replicas, "--embedding-threads", threads, *flags, shared=replicas > 1,

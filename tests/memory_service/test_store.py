@@ -67,11 +67,24 @@ async def test_concurrent_searches_of_an_uncached_user_share_one_lancedb_read(tm
 
 async def test_a_search_after_a_write_does_not_join_a_read_started_before_it(tmp_path) -> None:
     store, reads = await _store_with_facts(tmp_path)
+    counted_read, first_read_may_end = store._user_facts, asyncio.Event()
+
+    async def read_held_until_the_write_is_done(user_id: str, store_generation: int):
+        if not reads:  # the early search's read stays in flight until the write below has committed
+            reads.append(1)
+            await first_read_may_end.wait()
+            reads.pop()
+        return await counted_read(user_id, store_generation)
+
+    store._user_facts = read_held_until_the_write_is_done
     early = asyncio.ensure_future(store.search("u", _query(3), 1))
-    await asyncio.sleep(0.01)  # the first read is in flight
+    while not reads:
+        await asyncio.sleep(0.001)
     await store.ingest_facts("u", [NewFact("f3", "axis-3 written during the read")], _axis_embed)
-    late = await store.search("u", _query(3), 1)
-    assert late[0].fact.fact_id == "f3"
+    late = asyncio.ensure_future(store.search("u", _query(3), 1))
+    await asyncio.sleep(0.01)
+    first_read_may_end.set()
+    assert (await late)[0].fact.fact_id == "f3"
     assert len(reads) == 2
     await early
 
