@@ -170,7 +170,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         coordination = await asyncio.to_thread(CoordinationStore, database, config.kv_max_attempts)
         self.metrics.watch_coordination(database)
         store = FactStore(location, coordination, config.embedding_model, self.embedder.dim,
-                          search_cache_bytes=config.search_cache_mb << 20)
+                          search_cache_bytes=config.search_cache_mb << 20,
+                          lancedb_cache_bytes=config.lancedb_cache_mb << 20)
         await store.open()
         budgets = KvStoreBudgets(
             gpu_bytes=config.kv_gpu_budget_mb << 20,

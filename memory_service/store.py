@@ -128,7 +128,7 @@ class FactStore:
     """
 
     def __init__(self, location: StoreLocation, coordination: CoordinationStore, embedding_model: str,
-                 embedding_dim: int, search_cache_bytes: int = 256 << 20) -> None:
+                 embedding_dim: int, search_cache_bytes: int = 256 << 20, lancedb_cache_bytes: int = 128 << 20) -> None:
         self._location = location
         self._coordination = coordination
         self._shared = coordination.shared or location.shared
@@ -141,6 +141,9 @@ class FactStore:
         self._writes_since_optimize = 0
         self._user_indexed_tables: set[str] = set()
         self._search_cache = UserFactsCache(search_cache_bytes)
+        # Bounded: LanceDB's defaults keep a manifest per table version, and every write makes one.
+        self._lancedb_session = lancedb.Session(index_cache_size_bytes=lancedb_cache_bytes // 2,
+                                                metadata_cache_size_bytes=lancedb_cache_bytes // 2)
         self._user_reads: dict[str, tuple[tuple[int, int], asyncio.Task[UserFacts]]] = {}
         # Shared stores: a user's write holds a coordination connection for its lock and needs another for its
         # statements. Writes wait for a slot here, on the event loop, and take and release the lock on threads of
@@ -157,7 +160,8 @@ class FactStore:
             self._location.local_dir.mkdir(parents=True, exist_ok=True)
         # Replicas sharing the store see each other's commits: every read checks for a newer table version.
         db = await lancedb.connect_async(self._location.lancedb_uri, storage_options=self._location.lancedb_options,
-                                         read_consistency_interval=timedelta(0) if self._shared else None)
+                                         read_consistency_interval=timedelta(0) if self._shared else None,
+                                         session=self._lancedb_session)
         existing = set((await db.list_tables()).tables)
         self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
