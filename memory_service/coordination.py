@@ -128,9 +128,11 @@ class CoordinationStore:
     # ------------------------------------------------------------------ queue
 
     def enqueue(self, profile_ids: Iterable[str], facts: Iterable[tuple[str, str, int]]) -> int:
-        """Queues (user, fact, version) for each profile, replacing older versions' jobs."""
+        """Queues (user, fact, version) for each profile, replacing older versions' jobs. Rows are written in key
+        order, so that concurrent enqueues of overlapping facts (replicas answering one user's queries, each in
+        its own rank order) take their row locks in the same order and cannot deadlock."""
         now = time.time()
-        rows = [(p, u, f, v, QUEUED, now) for p in profile_ids for (u, f, v) in facts]
+        rows = sorted((p, u, f, v, QUEUED, now) for p in profile_ids for (u, f, v) in facts)
         with self.database.transaction() as tx:
             for row in rows:
                 tx.run("INSERT INTO jobs (profile_id, user_id, fact_id, version, state, enqueued_at) "

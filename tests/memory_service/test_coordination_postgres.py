@@ -1,0 +1,36 @@
+"""The coordination store on a real PostgreSQL (started on loopback): statements that run concurrently from many
+replicas must not deadlock each other."""
+
+from __future__ import annotations
+
+import threading
+
+from memory_service.coordination import CoordinationStore
+from memory_service.sql import PostgresDatabase
+from tests.servers import postgres_server
+
+
+def test_concurrent_enqueues_of_the_same_facts_in_opposite_orders_do_not_deadlock(tmp_path) -> None:
+    """Replicas answering one user's queries enqueue the facts without KV in each query's rank order; two such
+    orders used to take row locks in opposite orders (PostgreSQL: "deadlock detected", an INTERNAL to the node)."""
+    with postgres_server(tmp_path / "postgres") as url:
+        stores = [CoordinationStore(PostgresDatabase(url)) for _ in range(2)]
+        facts = [("u", f"f{index:03d}", 1) for index in range(60)]
+        errors: list[BaseException] = []
+
+        def enqueue_repeatedly(store: CoordinationStore, order: list[tuple[str, str, int]]) -> None:
+            try:
+                for _ in range(40):
+                    store.enqueue(["p"], order)
+            except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+                errors.append(error)
+
+        threads = [threading.Thread(target=enqueue_repeatedly, args=(stores[0], facts)),
+                   threading.Thread(target=enqueue_repeatedly, args=(stores[1], facts[::-1]))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for store in stores:
+            store.database.close()
+        assert errors == []
