@@ -36,7 +36,7 @@ from inference_node.query_embedding import LocalQueryEmbedder
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.launcher import MemoryServiceProcess
-from tests.servers import Replicas, memory_service_replicas
+from tests.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -48,9 +48,13 @@ def _profile() -> pb.KvProfile:
     return profile
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _stat_cpu_seconds(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def cpu_seconds(pid: int) -> float:
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
 
 
 def service_counter(service: MemoryServiceProcess, name: str) -> float:
@@ -69,8 +73,7 @@ def server_cpu_seconds(command: str) -> float:
         except OSError:  # the process ended
             continue
         if text[text.index("(") + 1:text.rindex(")")] == command:
-            fields = text.rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+            total += _stat_cpu_seconds(text)
     return total
 
 
@@ -94,20 +97,6 @@ def populate(stub, users: int, facts_per_user: int) -> None:
     for index in tqdm(range(users), desc="ingesting users", unit="user"):
         facts = [pb.FactInput(text=text) for text in synthetic_facts(facts_per_user, 3000 + index)]
         stub.IngestFacts(pb.IngestFactsRequest(user_id=user_name(index), facts=facts), timeout=600)
-
-
-def compactions(service: MemoryServiceProcess) -> int:
-    return service.log_path.read_text(errors="replace").count('"store_optimized"')
-
-
-def wait_for_compaction(service: MemoryServiceProcess, before: int, timeout_s: float = 300) -> None:
-    """Until the service has compacted the store once more (its periodic optimize: fragments merged, the user
-    index covering every row), as it would be in steady state."""
-    deadline = time.monotonic() + timeout_s
-    while compactions(service) <= before:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no compaction within {timeout_s} s")
-        time.sleep(0.5)
 
 
 def per_call_costs(deployed: Replicas, stub, users: list[int], queries: list[str], vectors: dict[str, list[float]],
@@ -197,9 +186,9 @@ def main() -> None:
                                         str(args.optimize_interval_s), shared=shared, bucket="bench") as deployed:
             with grpc.insecure_channel(deployed.services[0].address) as channel:
                 stub = memory_pb2_grpc.MemoryServiceStub(channel)
-                compacted = compactions(deployed.services[0])
+                compacted = [compactions(deployed.services[0])]
                 populate(stub, args.users, args.facts_per_user)
-                wait_for_compaction(deployed.services[0], compacted)
+                wait_for_compactions(deployed.services[:1], compacted)  # steady state: the import compacted
                 model_id = stub.GetStats(pb.GetStatsRequest()).embedding_model_id
                 if replicas == 1:
                     half = args.users // 2

@@ -296,9 +296,9 @@ class CoordinationStore:
                            "generation = user_generations.generation + ? RETURNING generation",
                            (user_digest(user_id), step, step))[0][0]
 
-    def begin_write(self, user_id: str) -> int:
-        """Before a write of the user commits: every cached copy of the user stops being current (odd)."""
-        generation = self.write_generation(user_id)
+    def begin_write(self, user_id: str, generation: int) -> int:
+        """Before a write of the user commits: every cached copy of the user stops being current (odd).
+        `generation`: the user's write generation, read by the caller under the user's lock."""
         return self._advance_generation(user_id, 1 if generation % 2 == 0 else 2)
 
     def end_write(self, user_id: str) -> int:

@@ -60,6 +60,10 @@ def _is_commit_conflict(error: Exception) -> bool:
     return "Retryable commit conflict for version" in str(error)
 
 
+async def _indexed_columns(table: lancedb.table.AsyncTable) -> set[str]:
+    return {column for index in await table.list_indices() for column in index.columns}
+
+
 def _sql_list(values: Sequence[str]) -> str:
     return ", ".join(f"'{value}'" for value in values)
 
@@ -206,7 +210,7 @@ class FactStore:
         """
         if table.name in self._user_indexed_tables:
             return
-        indexed = {column for index in await table.list_indices() for column in index.columns}
+        indexed = await _indexed_columns(table)
         if "user_id" not in indexed and await table.count_rows() > 0:
             try:
                 await table.create_index("user_id", config=BTree())
@@ -215,7 +219,7 @@ class FactStore:
                     raise
                 # Another replica's index or compaction committed first: the index is its, or the next write's.
                 await table.checkout_latest()
-                indexed = {column for index in await table.list_indices() for column in index.columns}
+                indexed = await _indexed_columns(table)
             else:
                 indexed.add("user_id")
         if "user_id" in indexed:
@@ -277,7 +281,7 @@ class FactStore:
                     ticket = WriteTicket(0, 0)
                     if changes_facts:
                         before = await asyncio.to_thread(self._coordination.write_generation, user_id)
-                        during = await asyncio.to_thread(self._coordination.begin_write, user_id)
+                        during = await asyncio.to_thread(self._coordination.begin_write, user_id, before)
                         ticket = WriteTicket(before, during + 1)
                     try:
                         yield ticket

@@ -197,3 +197,18 @@ def _print_logged_errors(logs: Iterable[Path]) -> None:
         for line in log.read_text(errors="replace").splitlines():
             if '"level": "error"' in line or '"exception"' in line:
                 print(f"{log.name}: {line[:4000]}")
+
+
+def compactions(service) -> int:
+    """How many times the memory service (a MemoryServiceProcess) has compacted its store, from its log."""
+    return service.log_path.read_text(errors="replace").count('"store_optimized"')
+
+
+def wait_for_compactions(services: list, before: list[int], timeout_s: float = 300) -> None:
+    """Until every service has compacted its store once more than `before` counted (fragments merged, the user
+    index covering the rows written so far)."""
+    deadline = time.monotonic() + timeout_s
+    while any(compactions(service) <= count for service, count in zip(services, before, strict=True)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no compaction within {timeout_s} s")
+        time.sleep(0.2)

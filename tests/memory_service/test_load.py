@@ -34,7 +34,7 @@ from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.config import ServiceConfig
 from memory_service.launcher import MemoryServiceProcess
-from tests.servers import Replicas, memory_service_replicas
+from tests.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
@@ -197,28 +197,17 @@ async def _warm_up(stub, shape: LoadShape) -> float:
     return time.perf_counter() - started
 
 
-def _compactions(service: MemoryServiceProcess) -> int:
-    return service.log_path.read_text(errors="replace").count('"store_optimized"')
-
-
-async def _compacted_since(services: list[MemoryServiceProcess], before: list[int], timeout_s: float = 300) -> None:
-    """Until every replica has compacted its share of the import once (--optimize-after-writes), as an operator's
-    bulk import ends: reads of users not yet cached then find their rows through the user index."""
-    deadline = time.monotonic() + timeout_s
-    while any(_compactions(service) <= count for service, count in zip(services, before, strict=True)):
-        assert time.monotonic() < deadline, "the import was never compacted"
-        await asyncio.sleep(0.5)
-
-
 async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_after_writes: int) -> LoadReport:
     report = LoadReport(shape=shape)
     target = Replicas(services, None, "").address
     async with grpc.aio.insecure_channel(target, options=REPLICA_OPTIONS) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
-        compactions = [_compactions(service) for service in services]
+        compacted = [compactions(service) for service in services]
         await _populate(stub, shape)
         if shape.users // len(services) >= optimize_after_writes:  # one ingest call per user, round robin
-            await _compacted_since(services, compactions)
+            # Every replica has compacted its share of the import once, as an operator's bulk import ends: reads
+            # of users not yet cached then find their rows through the user index.
+            await asyncio.to_thread(wait_for_compactions, services, compacted)
         report.warmup_s = await _warm_up(stub, shape)
         running = True
 
