@@ -34,3 +34,16 @@ def test_concurrent_enqueues_of_the_same_facts_in_opposite_orders_do_not_deadloc
         for store in stores:
             store.database.close()
         assert errors == []
+
+
+def test_a_late_enqueue_of_an_older_version_never_replaces_the_newer_job(tmp_path) -> None:
+    """A replica that retrieved a fact before it changed may enqueue the old version after another replica enqueued
+    the new one; the job must stay on the new version (else the new version's KV is never computed)."""
+    with postgres_server(tmp_path / "postgres") as url:
+        store = CoordinationStore(PostgresDatabase(url))
+        store.add_profile("p", {})
+        store.enqueue(["p"], [("u", "f", 2)])
+        store.enqueue(["p"], [("u", "f", 1)])
+        _, _, jobs = store.lease("p", max_facts=10, lease_seconds=60)
+        store.database.close()
+    assert [(job.fact_id, job.version) for job in jobs] == [("f", 2)]
