@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU runs (lent device, vLLM 0.26.0), after the carry parts are unpacked (../shared/device/README.md):
 #   bash benchmarks/device_run.sh OUT_DIR failure      # refused loads recompute to the text answer (per runner)
-#   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1: kv, text, text-stable, off, kv-tail1
-#                                                      # (the node embeds queries on the GPU: --embed-queries-locally)
+#   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1, two node starts:
+#     1. kv (always injects), text, text-stable, off, kv-tail1, with the connector's own time per load and the node
+#        embedding queries on the GPU (--embed-queries-locally); the kv crossover is drawn from it and recorded;
+#     2. the same sweep with kv-auto (the node's crossover policy, read from the table) and the service embedding.
 #   bash benchmarks/device_run.sh OUT_DIR throughput   # 128 users with their own memories, 128 in flight, k=50
 #   bash benchmarks/device_run.sh OUT_DIR cold         # more users' KV than the node cache holds, 16 in flight
 # Needs, carried beside the tree: build/generated (the gRPC modules) and .gpu/smollm2 (tokenizer files).
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); ~34 tokens per fact.
-# The node's kv crossover is 0 here (every kv request injects), so the sweep measures where injection starts to win.
+# The kv contender always injects, so the sweep measures where injection starts to win; kv-auto follows the node's policy.
 set -euo pipefail
 out=${1:?usage: device_run.sh OUT_DIR failure|latency|throughput|cold}
 stage=${2:?usage: device_run.sh OUT_DIR failure|latency|throughput|cold}
@@ -18,17 +20,23 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/site .gpu/wheels/*.whl
 python3 -c "from inferscale_kv.device_telemetry import read_device; print('NVML reading:', read_device())"
 common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clauses 2 --max-tokens 32)
-node="--dtype bfloat16 --max-model-len 4096 --kv-crossover-tokens 0"
+node="--dtype bfloat16 --max-model-len 4096"
 quiet() { grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 case $stage in
   failure)
     python3 -m tests.inference_node.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
       | grep "^run=" | tee "$out/failure-path.txt" ;;
   latency)
-    python3 -m benchmarks.serve "${common[@]}" --k 5 10 20 50 --tails 1 --users 4 --facts-per-user 60 \
-      --requests 8 --concurrency 1 --output "$out/serve-latency" \
+    sweep=(--k 1 2 5 10 20 50 --users 4 --facts-per-user 60 --requests 12 --concurrency 1)
+    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails 1 --load-stats --output "$out/serve-latency" \
       --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192 --embed-queries-locally" \
-      2>&1 | quiet | tee "$out/serve-latency.txt" ;;
+      2>&1 | quiet | tee "$out/serve-latency.txt"
+    python3 -m benchmarks.crossover "$out/serve-latency/results.json" --shape llama3-8b --model .gpu/smollm2 \
+      --dtype bfloat16 --write 2>&1 | tail -2 | tee "$out/crossover.txt"
+    cp inference_node/kv_crossover.json "$out/"
+    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails --kv-auto --output "$out/serve-policy" \
+      --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192" 2>&1 | quiet \
+      | tee "$out/serve-policy.txt" ;;
   throughput)
     python3 -m benchmarks.serve "${common[@]}" --k 50 --tails --users 128 --facts-per-user 50 --requests 256 \
       --concurrency 128 --output "$out/serve-throughput" \

@@ -11,6 +11,8 @@ Contenders (each request's `memory` field; same users, same questions, interleav
 - text-stable: the same facts as text in a stable per-user order (creation order), so that a user's consecutive
   prompts share their longest common prefix and vLLM's prefix cache reuses it: the best text deployment;
 - off: no memory (the floor);
+- kv-auto (--kv-auto): kv under the node's crossover policy (memories shorter than its crossover served as text;
+  `kv` always injects);
 - kv-tail<m> (--tails): kv with the m facts nearest the question prefilled as text (--recompute-tail-facts).
 Workloads, each on its own memory service, worker and node (--workloads):
 - synthetic: --users users x --facts-per-user synthetic facts, k from --k (or LoCoMo observations with --locomo);
@@ -20,7 +22,9 @@ Workloads, each on its own memory service, worker and node (--workloads):
 - cold: --cold-users users' KV against a node cache that holds about two users' facts, so kv loads miss and take
   the async path; kv-warm asks the same of two users whose KV the node cache holds: the difference is a miss's cost.
 Per (workload, load, k, contender): query-to-first-token (client clock: retrieval + staging + compose + engine),
-TTFT (that minus the node's RetrieveAndStage), vLLM's engine TTFT (its histogram's mean), TPOT, throughput, prompt
+TTFT (that minus the node's RetrieveAndStage), vLLM's engine TTFT (its histogram's mean) split into vLLM's queue
+time (arrival to first scheduled: an async KV load's round trip lands here) and prefill time (first scheduled to first
+token) with each contender's difference to off, TPOT, throughput, prompt
 and cached tokens, the node-cache hit rate (kv) and vLLM's prefix-cache hit rate (all), with kv/text and
 kv/text-stable ratios; with --load-stats also the connector's own time per warm load. Writes results.json (after
 every measurement) and PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights
@@ -57,8 +61,11 @@ from memory_service.launcher import MemoryServiceProcess
 from precompute_worker.progress import wait_for_kv
 
 # contender -> the request's memory field beside user_id and top_k
-CONTENDERS: dict[str, dict] = {"kv": {"mode": "kv", "recompute_tail_facts": 0}, "text": {"mode": "text"},
-                               "text-stable": {"mode": "text", "order": "created"}, "off": {"mode": "off"}}
+CONTENDERS: dict[str, dict] = {"kv": {"mode": "kv", "recompute_tail_facts": 0, "kv_crossover_tokens": 0},
+                               "text": {"mode": "text"}, "text-stable": {"mode": "text", "order": "created"},
+                               "off": {"mode": "off"}}
+# --kv-auto: kv as the node serves it by default, text below the node's crossover (inference_node.crossover)
+KV_AUTO = {"mode": "kv", "recompute_tail_facts": 0}
 WORKLOADS = ("synthetic", "varying", "long", "cold")
 WARM_USERS = 2  # the cold workload's kv-warm contender: users whose KV the node cache holds
 
@@ -276,19 +283,22 @@ def plot(results: dict, contenders: list[str], output: Path, title: str) -> list
 
 _VLLM_COUNTERS = {"vllm:prefix_cache_queries_total": "prefix_cache_queries",
                   "vllm:prefix_cache_hits_total": "prefix_cache_hits"}
+_VLLM_HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:request_queue_time_seconds": "queue",
+                    "vllm:request_prefill_time_seconds": "prefill"}
 
 
 def parse_counters(metrics_text: str) -> dict[str, float]:
-    """The connector counters (inferscale_connector_*_total), vLLM's prefix-cache counters and its TTFT histogram
-    sum/count, summed over label sets."""
+    """The connector counters (inferscale_connector_*_total), vLLM's prefix-cache counters and the sum/count of its
+    TTFT, queue-time and prefill-time histograms, summed over label sets."""
     totals: dict[str, float] = {}
     for line in metrics_text.splitlines():
         name = None
         metric = line.split("{")[0].split(" ")[0]
         if line.startswith("inferscale_connector_") and "_total{" in line:
             name = line[len("inferscale_connector_") : line.index("_total{")]
-        elif metric in ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"):
-            name = "ttft_" + metric[len("vllm:time_to_first_token_seconds_") :]
+        elif metric.endswith(("_sum", "_count")) and metric.rsplit("_", 1)[0] in _VLLM_HISTOGRAMS:
+            histogram, part = metric.rsplit("_", 1)
+            name = f"{_VLLM_HISTOGRAMS[histogram]}_{part}"
         elif metric in _VLLM_COUNTERS:
             name = _VLLM_COUNTERS[metric]
         if name:
@@ -303,10 +313,12 @@ def node_counters(base_url: str) -> dict[str, float]:
         return parse_counters(response.read().decode())
 
 
-def engine_ttft_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """vLLM's own TTFT over a run, from its histogram's sum and count (mean; percentiles need the buckets)."""
-    count = after.get("ttft_count", 0.0) - before.get("ttft_count", 0.0)
-    mean = (after.get("ttft_sum", 0.0) - before.get("ttft_sum", 0.0)) / count * 1000 if count else float("nan")
+def engine_ttft_ms(before: dict[str, float], after: dict[str, float], histogram: str = "ttft") -> dict[str, float]:
+    """vLLM's own TTFT (or another of _VLLM_HISTOGRAMS) over a run, from its histogram's sum and count (mean;
+    percentiles need the buckets)."""
+    count = after.get(f"{histogram}_count", 0.0) - before.get(f"{histogram}_count", 0.0)
+    mean = ((after.get(f"{histogram}_sum", 0.0) - before.get(f"{histogram}_sum", 0.0)) / count * 1000 if count
+            else float("nan"))
     return {"mean": mean, "requests": count}
 
 
@@ -362,6 +374,8 @@ def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: st
     row = summarize(samples, time.perf_counter() - started)
     after = node_counters(base_url)
     row["engine_ttft_ms"] = engine_ttft_ms(before, after)
+    row["engine_queue_ms"] = engine_ttft_ms(before, after, "queue")
+    row["engine_prefill_ms"] = engine_ttft_ms(before, after, "prefill")
     row["node_cache_hit_rate"] = hit_rate(before, after) if memory["mode"] == "kv" else None
     row["prefix_cache_hit_rate"] = counter_ratio(before, after, "prefix_cache_hits", "prefix_cache_queries")
     row["facts_fetched_per_request"] = (after.get("facts_fetched", 0.0) - before.get("facts_fetched", 0.0)) / len(jobs)
@@ -469,6 +483,8 @@ def main() -> None:
     parser.add_argument("--cold-k", type=int, default=20)
     parser.add_argument("--tails", type=int, nargs="*", default=[1, 2, 5, 10],
                         help="kv-tail<m> contenders: the m facts nearest the question prefilled as text")
+    parser.add_argument("--kv-auto", action="store_true",
+                        help="also measure kv-auto: kv under the node's crossover policy (kv always injects)")
     parser.add_argument("--requests", type=int, default=8, help="requests per (load, k, contender)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1], help="closed-loop loads")
     parser.add_argument("--rate", type=float, nargs="*", default=[], help="open-loop loads (requests/s, Poisson)")
@@ -489,7 +505,7 @@ def main() -> None:
     loads = [f"c{c}" for c in args.concurrency] + [f"r{r:g}" for r in args.rate]
     if not loads:
         parser.error("give at least one --concurrency or --rate")
-    contenders = {**CONTENDERS, **{tail_contender(m): {"mode": "kv", "recompute_tail_facts": m} for m in args.tails}}
+    contenders = {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **{tail_contender(m): {"mode": "kv", "recompute_tail_facts": m} for m in args.tails}}
     model_label = (f"{args.shape} shape, DUMMY weights, SYNTHETIC fact KV ({args.kv_dtype})" if args.shape
                    else f"{tokenizer_dir.name}, {args.kv_dtype}")
     args.output.mkdir(parents=True, exist_ok=True)
@@ -521,6 +537,17 @@ def main() -> None:
                       f"{row['compose_ms_p50']:.2f} + cache writes {row['write_ms_p50']:.2f}")
     save()
     print(f"\nJSON: {args.output / 'results.json'}   plots under {args.output}/<workload>/")
+
+
+def engine_breakdown(row: dict, off: dict) -> str:
+    """Where a contender's engine TTFT goes beyond the no-memory floor: vLLM's queue time (arrival to first scheduled,
+    which holds an async KV load's round trip), prefill time (the first forward: attention over the memory, the
+    connector's in-step work) and the rest (detokenizing, the engine's output path)."""
+    parts = {metric: row[metric]["mean"] - off[metric]["mean"]
+             for metric in ("engine_ttft_ms", "engine_queue_ms", "engine_prefill_ms")}
+    rest = parts["engine_ttft_ms"] - parts["engine_queue_ms"] - parts["engine_prefill_ms"]
+    return (f"engine TTFT {parts['engine_ttft_ms']:+.1f} ms = queue {parts['engine_queue_ms']:+.1f} + prefill "
+            f"{parts['engine_prefill_ms']:+.1f} + rest {rest:+.1f}")
 
 
 def describe(load: str) -> str:
@@ -556,10 +583,13 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
         for heading, metric, points in (("Query-to-first-token (ms)", "query_to_first_token_ms", ("p50", "p90", "p99")),
                                         ("TTFT after the memory step (ms)", "ttft_ms", ("p50", "p90", "p99")),
                                         ("Engine TTFT, vLLM (ms)", "engine_ttft_ms", ("mean",)),
+                                        ("Engine queue time, vLLM (ms)", "engine_queue_ms", ("mean",)),
+                                        ("Engine prefill time, vLLM (ms)", "engine_prefill_ms", ("mean",)),
                                         ("TPOT (ms)", "tpot_ms", ("p50", "p99"))):
             for point in points:
                 print(f"{heading.replace(' (ms)', f' {point} (ms)'):<34}"
-                      + "".join(f"{_fmt(r[metric][point], '{:.1f}'):>{width}}" for r in rows.values()))
+                      + "".join(f"{_fmt(r[metric][point] if metric in r else None, '{:.1f}'):>{width}}"
+                                for r in rows.values()))
         kv = rows["kv"]
         for baseline in ("text", "text-stable"):
             if baseline in rows:
@@ -569,6 +599,10 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                       f"TTFT p50 {ratio(kv['ttft_ms']['p50'], other['ttft_ms']['p50'])}, engine TTFT (vLLM mean) "
                       f"{ratio(kv['engine_ttft_ms']['mean'], other['engine_ttft_ms']['mean'])}, throughput "
                       f"{ratio(kv['throughput_rps'], other['throughput_rps'])}x")
+        if "off" in rows:
+            for name, row in rows.items():
+                if name != "off" and "engine_queue_ms" in row:
+                    print(f"{name} - off: {engine_breakdown(row, rows['off'])}")
         for name, row in rows.items():
             if name.startswith("kv-tail"):
                 cost = row["engine_ttft_ms"]["mean"] / kv["engine_ttft_ms"]["mean"] - 1

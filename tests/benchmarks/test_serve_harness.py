@@ -6,6 +6,7 @@ import json
 import math
 import random
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
@@ -69,6 +70,12 @@ METRICS_TEXT = """# HELP vllm:time_to_first_token_seconds Histogram of time to f
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="m"} 1.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.75
 vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.25
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.01",model_name="m"} 1.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 9.0
 inferscale_connector_node_cache_hits_total{engine="0",model_name="m"} 4.0
 inferscale_connector_node_cache_hits_total{engine="1",model_name="m"} 2.0
 inferscale_connector_loads_created{engine="0",model_name="m"} 1.7e9
@@ -78,15 +85,19 @@ vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
 """
 
 
-def test_counters_sum_label_sets_and_take_vllm_ttft_sum_and_count_but_not_buckets_or_created() -> None:
-    assert parse_counters(METRICS_TEXT) == {"ttft_sum": 0.75, "ttft_count": 3.0, "node_cache_hits": 6.0,
-                                            "prefix_cache_queries": 40.0, "prefix_cache_hits": 30.0}
+def test_counters_sum_label_sets_and_take_vllm_ttft_queue_and_prefill_sums_and_counts_only() -> None:
+    assert parse_counters(METRICS_TEXT) == {"ttft_sum": 0.75, "ttft_count": 3.0, "queue_sum": 0.25,
+                                            "queue_count": 3.0, "prefill_sum": 0.5, "prefill_count": 3.0,
+                                            "node_cache_hits": 6.0, "prefix_cache_queries": 40.0,
+                                            "prefix_cache_hits": 30.0}
 
 
 def test_engine_ttft_is_the_mean_of_the_histogram_delta_and_nan_without_requests() -> None:
     before, after = {"ttft_sum": 1.0, "ttft_count": 2.0}, {"ttft_sum": 1.5, "ttft_count": 12.0}
     assert engine_ttft_ms(before, after) == {"mean": 50.0, "requests": 10.0}
     assert math.isnan(engine_ttft_ms(after, after)["mean"])
+    queue = engine_ttft_ms({"queue_sum": 0.1, "queue_count": 1.0}, {"queue_sum": 0.3, "queue_count": 5.0}, "queue")
+    assert queue == {"mean": pytest.approx(50.0), "requests": 4.0}
 
 
 def test_open_loop_arrivals_start_at_zero_increase_and_average_the_requested_rate() -> None:
@@ -116,7 +127,8 @@ def test_locomo_workload_replays_conversations_round_robin_with_their_first_fact
 def _row(scale: float, hit_rate: float | None = None, fetched: float = 0.0) -> dict:
     latency = {"p50": 10.0 * scale, "p90": 12.0 * scale, "p99": 13.0 * scale, "mean": 11.0 * scale}
     return {"requests": 4, "query_to_first_token_ms": latency, "ttft_ms": latency, "tpot_ms": latency,
-            "engine_ttft_ms": {"mean": 8.0 * scale}, "throughput_rps": 1.0 / scale, "mean_prompt_tokens": 100,
+            "engine_ttft_ms": {"mean": 8.0 * scale}, "engine_queue_ms": {"mean": 2.0 * scale},
+            "engine_prefill_ms": {"mean": 5.0 * scale}, "throughput_rps": 1.0 / scale, "mean_prompt_tokens": 100,
             "mean_cached_tokens": 90 if scale == 1 else 0, "node_cache_hit_rate": hit_rate,
             "prefix_cache_hit_rate": 0.5, "facts_fetched_per_request": fetched}
 
@@ -130,6 +142,8 @@ def test_report_prints_every_contender_and_kvs_ratios_to_text_and_text_stable(ca
     assert "throughput 4.00x" in out
     assert "kv/text-stable: query-to-first-token p50 0.50" in out and "throughput 2.00x" in out
     assert "kv-tail2: engine TTFT 8.8 ms, +10.0% over kv" in out
+    assert "Engine queue time, vLLM mean (ms)" in out and "Engine prefill time, vLLM mean (ms)" in out
+    assert "kv - off: engine TTFT +4.0 ms = queue +1.0 + prefill +2.5 + rest +0.5" in out
 
 
 def test_report_of_a_cold_node_cache_prices_a_miss_against_the_warm_users(capsys) -> None:
