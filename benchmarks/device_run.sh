@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs (lent device, vLLM 0.26.0), after the carry parts are unpacked (../shared/device/README.md):
 #   bash benchmarks/device_run.sh OUT_DIR failure      # refused loads recompute to the text answer (per runner)
-#   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1, two node starts:
-#     1. kv (always injects), text, text-stable, off, kv-tail1, with the connector's own time per load and the node
-#        embedding queries on the GPU (--embed-queries-locally); the kv crossover is drawn from it and recorded;
-#     2. the same sweep with kv-auto (the node's crossover policy, read from the table) and the service embedding.
+#   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1: kv (always injects), text,
+#     text-stable, off, kv-tail1, with the connector's own time per load and the node embedding queries on the GPU
+#     (--embed-queries-locally); the kv crossover is drawn from it and recorded in inference_node/kv_crossover.json
+#   bash benchmarks/device_run.sh OUT_DIR policy       # the same sweep with kv-auto (the node's crossover policy, read
+#     from the table: commit the latency stage's table first) and the memory service embedding queries
 #   bash benchmarks/device_run.sh OUT_DIR throughput   # 128 users with their own memories, 128 in flight, k=50
 #   bash benchmarks/device_run.sh OUT_DIR cold         # more users' KV than the node cache holds, 16 in flight
 # Needs, carried beside the tree: build/generated (the gRPC modules) and .gpu/smollm2 (tokenizer files).
@@ -21,19 +22,22 @@ python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --
 python3 -c "from inferscale_kv.device_telemetry import read_device; print('NVML reading:', read_device())"
 common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clauses 2 --max-tokens 32)
 node="--dtype bfloat16 --max-model-len 4096"
+sweep=(--k 1 2 5 10 20 50 --users 4 --facts-per-user 60 --requests 12 --concurrency 1)
+# A run cut short by the device's time limit leaves its servers behind, holding the GPU: stop them first.
+pkill -9 -f "EngineCore|vllm.entrypoints|memory_service|synthetic_worker|benchmarks.serve" 2>/dev/null || true
 quiet() { grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 case $stage in
   failure)
     python3 -m tests.inference_node.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
       | grep "^run=" | tee "$out/failure-path.txt" ;;
   latency)
-    sweep=(--k 1 2 5 10 20 50 --users 4 --facts-per-user 60 --requests 12 --concurrency 1)
     python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails 1 --load-stats --output "$out/serve-latency" \
       --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192 --embed-queries-locally" \
       2>&1 | quiet | tee "$out/serve-latency.txt"
     python3 -m benchmarks.crossover "$out/serve-latency/results.json" --shape llama3-8b --model .gpu/smollm2 \
       --dtype bfloat16 --write 2>&1 | tail -2 | tee "$out/crossover.txt"
-    cp inference_node/kv_crossover.json "$out/"
+    cp inference_node/kv_crossover.json "$out/" ;;
+  policy)
     python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails --kv-auto --output "$out/serve-policy" \
       --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192" 2>&1 | quiet \
       | tee "$out/serve-policy.txt" ;;
