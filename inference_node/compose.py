@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferscale_kv.rope import apply_rope
@@ -129,26 +130,30 @@ def _index_tables(slices: list[ChunkSlice], device: torch.device, *extra: torch.
     """The kernel's int64 index tables on `device`, built on the host and sent in one copy: per chunk its K and V
     pointers and row count, per token its chunk and row, then `extra` (cache pointers per layer, block ids).
     Each table starts 16-byte aligned, so Triton's pointer-alignment specialization never changes between
-    loads (a changed alignment would compile a new kernel variant mid-serving)."""
+    loads (a changed alignment would compile a new kernel variant mid-serving). Built with numpy in a few vector
+    operations: per-slice torch calls cost ~0.5 ms of host time at k=50 (H100 probe, 2026-12-06)."""
     dtype = slices[0].keys.dtype
     for s in slices:
         if not (s.keys.is_contiguous() and s.values.is_contiguous() and s.keys.dtype == dtype == s.values.dtype):
             raise ValueError("fused compose needs contiguous chunk tensors of one dtype")
-    lengths = torch.tensor([s.end - s.begin for s in slices])
-    tables = [torch.tensor([s.keys.data_ptr() for s in slices], dtype=torch.int64),
-              torch.tensor([s.values.data_ptr() for s in slices], dtype=torch.int64),
-              torch.tensor([s.keys.shape[1] for s in slices], dtype=torch.int64),
-              torch.repeat_interleave(torch.arange(len(slices)), lengths),
-              torch.cat([torch.arange(s.begin, s.end) for s in slices]), *extra]
-    padded = [-(-len(table) // 2) * 2 for table in tables]  # int64 elements: 2 per 16 bytes
-    host = torch.zeros(sum(padded), dtype=torch.int64)
-    offsets = [sum(padded[:i]) for i in range(len(tables))]
-    for offset, table in zip(offsets, tables, strict=True):
+    begins = np.fromiter((s.begin for s in slices), dtype=np.int64, count=len(slices))
+    lengths = np.fromiter((s.end for s in slices), dtype=np.int64, count=len(slices)) - begins
+    firsts = np.cumsum(lengths) - lengths  # each slice's first token in the load
+    token_chunk = np.repeat(np.arange(len(slices), dtype=np.int64), lengths)
+    tables = [np.fromiter((s.keys.data_ptr() for s in slices), dtype=np.int64, count=len(slices)),
+              np.fromiter((s.values.data_ptr() for s in slices), dtype=np.int64, count=len(slices)),
+              np.fromiter((s.keys.shape[1] for s in slices), dtype=np.int64, count=len(slices)),
+              token_chunk, np.arange(int(lengths.sum()), dtype=np.int64) - (firsts - begins)[token_chunk],
+              *(table.numpy() for table in extra)]
+    offsets = np.cumsum([0] + [-(-len(table) // 2) * 2 for table in tables])  # int64 elements: 2 per 16 bytes
+    host = np.zeros(int(offsets[-1]), dtype=np.int64)
+    for offset, table in zip(offsets, tables, strict=False):
         host[offset : offset + len(table)] = table
+    packed = torch.from_numpy(host)
     if device.type == "cuda":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
-    return [packed[offset : offset + len(table)] for offset, table in zip(offsets, tables, strict=True)]
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    return [packed[int(offset) : int(offset) + len(table)] for offset, table in zip(offsets, tables, strict=False)]
 
 
 if triton is not None:

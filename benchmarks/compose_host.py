@@ -1,0 +1,79 @@
+"""Host wall time of the connector's paged-cache write on the GPU, part by part (the device synchronized before and
+after each call): `compose_into_cache` in all, building its index tables, the kernel launch with tables ready.
+
+    python -m benchmarks.compose_host [--k 1 10 50] [--tokens-per-fact 34] [--header-tokens 40]
+
+Llama-3-8B KV shape, bf16, vLLM's FlashAttention cache layout. `compose_check` times the kernels on the device
+(CUDA events); this times what the engine thread waits for, which is where small loads spend their time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig
+
+from benchmarks.dummy_model import LLAMA3_8B
+from inference_node import compose
+from inferscale_kv.rope import RotaryTables
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCKS = 32, 8, 128, 16, 4096
+
+
+def wall_ms(run: Callable[[], object], repeats: int = 60, warm_up: int = 10) -> float:
+    """Median host time of `run` from an idle device to the end of its device work."""
+    times = []
+    for _ in range(repeats + warm_up):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times[warm_up:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 10, 50])
+    parser.add_argument("--tokens-per-fact", type=int, default=34)
+    parser.add_argument("--header-tokens", type=int, default=40)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("compose_host: needs a CUDA device")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
+    rotary = RotaryTables.from_config(config, 8192, device)
+    cos, sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
+    caches = [torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
+              for _ in range(LAYERS)]
+    print(f"{'k':>4}{'tokens':>8}{'compose_into_cache ms':>24}{'index tables ms':>18}{'launch ms':>12}")
+    for k in args.k:
+        lengths = [args.header_tokens] + [args.tokens_per_fact] * k
+        slices = [compose.ChunkSlice(torch.randn(LAYERS, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype),
+                                     torch.randn(LAYERS, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype), 0, n)
+                  for n in lengths]
+        count = sum(lengths)
+        target = compose.PagedCaches(caches, tuple(torch.randperm(BLOCKS)[: -(-count // BLOCK_SIZE)].tolist()),
+                                     BLOCK_SIZE)
+        pointers = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64)
+        block_ids = torch.tensor(target.block_ids, dtype=torch.int64)
+        tables = compose._index_tables(slices, device, pointers, block_ids)
+        first = caches[0]
+
+        def launch() -> None:
+            compose._rope_gather_kernel[(count, LAYERS)](
+                *tables[:5], cos, sin, tables[5], tables[6], 0, count, *first.stride()[:3], HEADS=KV_HEADS,
+                HALF=HEAD_DIM // 2, HEADS_POW2=KV_HEADS, HALF_POW2=HEAD_DIM // 2,
+                OUT_DTYPE=compose._TRITON_DTYPES[dtype], BLOCK_SIZE=BLOCK_SIZE, PAGED=True)
+
+        whole = wall_ms(lambda: compose.compose_into_cache(slices, 0, cos, sin, target))
+        building = wall_ms(lambda: compose._index_tables(slices, device, pointers, block_ids))
+        print(f"{k:>4}{count:>8}{whole:>24.3f}{building:>18.3f}{wall_ms(launch):>12.3f}")
+
+
+if __name__ == "__main__":
+    main()
