@@ -8,6 +8,7 @@ import sys
 import structlog
 
 from memory_service.config import ConfigError, load_config
+from memory_service.heap import limit_malloc_arenas
 from inferscale_kv.runtime import configure_logging
 from memory_service.server import serve
 
@@ -15,6 +16,7 @@ from memory_service.server import serve
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
+        limit_malloc_arenas(config.malloc_arenas)  # before the service starts its threads
         configure_logging(config.log_level)
         structlog.get_logger("memory_service").info("config", **config.as_log_fields())
         asyncio.run(serve(config))  # ConfigError from files it reads (credentials) comes before it listens

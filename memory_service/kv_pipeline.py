@@ -12,6 +12,7 @@ import structlog
 
 from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
 from inferscale_kv.kv_key import KvKey, header_key
+from memory_service.blocking import run_blocking
 from memory_service.errors import InvalidArgument, NotFound
 from memory_service.coordination import Job, KvEntry, QueueCounts
 from memory_service.kv_store import TieredKvStore
@@ -73,12 +74,12 @@ class KvPipeline:
             await self._store_header(profile_id, header_blob)
         if profile_id in self._announced:
             return 0
-        is_new = await asyncio.to_thread(self.index.add_profile, profile_id, spec)
+        is_new = await run_blocking(self.index.add_profile, profile_id, spec)
         self._announced.add(profile_id)
         if not is_new:
             return 0
         versions = await self.facts.fact_versions()
-        queued = await asyncio.to_thread(self.index.enqueue, [profile_id], versions)
+        queued = await run_blocking(self.index.enqueue, [profile_id], versions)
         log.info("profile_announced", profile_id=profile_id, facts_queued=queued, **spec)
         return queued
 
@@ -88,10 +89,10 @@ class KvPipeline:
         if header.key != expected:
             raise InvalidArgument("header_kv", f"must name {expected} (the profile's header, encoded behind nothing)")
         if await self.header_entry(profile_id) is None:
-            await asyncio.to_thread(self.kv.put, expected, blob, header.token_ids, None)
+            await run_blocking(self.kv.put, expected, blob, header.token_ids, None)
 
     async def header_entry(self, profile_id: str) -> KvEntry | None:
-        return await asyncio.to_thread(self.index.header_entry, profile_id)
+        return await run_blocking(self.index.header_entry, profile_id)
 
     async def reconcile(self) -> int:
         """After a restart: disk and index agree, and every fact lacking KV for a profile is queued. Not with a
@@ -99,13 +100,13 @@ class KvPipeline:
         stale ones (missing KV is queued by RetrieveAndStage anyway)."""
         if self.index.shared:
             return 0
-        await asyncio.to_thread(self.kv.reconcile)
+        await run_blocking(self.kv.reconcile)
         current = {(user, fact): version for user, fact, version in await self.facts.fact_versions()}
         covered = {(k.profile_id, k.user_id, k.fact_id, k.version)
                    for k in [*self.index.all_entry_keys(), *self.index.all_jobs()]}
         stale = [k for k in self.index.all_entry_keys()
                  if not k.is_header and current.get((k.user_id, k.fact_id)) != k.version]
-        await asyncio.to_thread(self.kv.forget_entries, stale)
+        await run_blocking(self.kv.forget_entries, stale)
         queued = 0
         for profile_id in self.index.profiles():
             missing = [(u, f, v) for (u, f), v in current.items() if (profile_id, u, f, v) not in covered]
@@ -118,21 +119,21 @@ class KvPipeline:
         """Created or updated facts: drop KV of older versions, queue the new version for every profile."""
         if not changed:
             return
-        await asyncio.to_thread(self.kv.forget, user_id, [fact_id for fact_id, _ in changed])
-        profiles = list(await asyncio.to_thread(self.index.profiles))
-        await asyncio.to_thread(self.index.enqueue, profiles, [(user_id, f, v) for f, v in changed])
+        await run_blocking(self.kv.forget, user_id, [fact_id for fact_id, _ in changed])
+        profiles = list(await run_blocking(self.index.profiles))
+        await run_blocking(self.index.enqueue, profiles, [(user_id, f, v) for f, v in changed])
 
     async def facts_deleted(self, user_id: str, fact_ids: Sequence[str] | None) -> None:
         """Deletes every KV blob and queued job of the facts (all of the user's when None)."""
-        await asyncio.to_thread(self.kv.forget, user_id, fact_ids)
+        await run_blocking(self.kv.forget, user_id, fact_ids)
 
     async def _require_profile(self, profile_id: str) -> None:
-        if profile_id not in self._announced and profile_id not in await asyncio.to_thread(self.index.profiles):
+        if profile_id not in self._announced and profile_id not in await run_blocking(self.index.profiles):
             raise NotFound(f"profile_id: {profile_id!r} was never announced (call AnnounceProfile first)")
 
     async def lease(self, profile_id: str, max_facts: int, lease_seconds: float) -> Lease:
         await self._require_profile(profile_id)
-        lease_id, expires, keys = await asyncio.to_thread(self.index.lease, profile_id, max_facts, lease_seconds)
+        lease_id, expires, keys = await run_blocking(self.index.lease, profile_id, max_facts, lease_seconds)
         by_user: dict[str, list[Job]] = {}
         for key in keys:
             by_user.setdefault(key.user_id, []).append(key)
@@ -161,22 +162,22 @@ class KvPipeline:
             if (header.profile_id, header.user_id, header.fact_id, header.version) != (
                     profile_id, upload.user_id, upload.fact_id, upload.version) or header.key.is_header:
                 raise InvalidArgument(f"results[{index}].blob", "header names another profile, fact or version")
-            if await asyncio.to_thread(self.kv.put, header.key, upload.blob, header.token_ids, lease_id):
+            if await run_blocking(self.kv.put, header.key, upload.blob, header.token_ids, lease_id):
                 accepted += 1
             elif (entry := self.index.entry(profile_id, upload.user_id, upload.fact_id)) and entry.key == header.key:
                 duplicates += 1
             else:
                 stale += 1
         for job, error in failures:
-            await asyncio.to_thread(self.index.fail, job, lease_id, error)
+            await run_blocking(self.index.fail, job, lease_id, error)
         return CompletionCounts(accepted, duplicates, stale)
 
     async def kv_bytes_with_user_prefix(self, prefix: str) -> int:
-        return await asyncio.to_thread(self.index.kv_bytes_with_user_prefix, prefix)
+        return await run_blocking(self.index.kv_bytes_with_user_prefix, prefix)
 
     async def entries(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
         """Stored KV of the current versions of `facts`; facts lacking it (and not queued) get queued."""
-        return await asyncio.to_thread(self._entries_blocking, profile_id, user_id, facts)
+        return await run_blocking(self._entries_blocking, profile_id, user_id, facts)
 
     def _entries_blocking(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
         fact_ids = [f.fact_id for f in facts]
@@ -191,11 +192,11 @@ class KvPipeline:
         return current
 
     async def fetch(self, key: KvKey) -> bytes | None:
-        return await asyncio.to_thread(self.kv.get, key)
+        return await run_blocking(self.kv.get, key)
 
     def stage(self, keys: Sequence[KvKey]) -> None:
         """Promotes the entries into the memory tiers in the background (TieredKvStore.promote)."""
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._read_all, list(keys)))
+        task = asyncio.get_running_loop().create_task(run_blocking(self._read_all, list(keys)))
         self._staging.add(task)
         task.add_done_callback(self._staging.discard)
 

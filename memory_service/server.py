@@ -7,6 +7,7 @@ import contextlib
 import gc
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -35,6 +36,8 @@ def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
 
 CONNECTION_AGE_S = 300
 CONNECTION_AGE_GRACE_S = 30
+# Threads for the blocking calls of reads (memory_service.blocking; writes have their own).
+READ_THREADS = 32
 
 
 async def _optimize_periodically(servicer: MemoryServicer) -> None:
@@ -83,6 +86,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     """Serves until `stop` is set or SIGTERM/SIGINT arrives. Health reports SERVING only once loaded."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Blocking calls of reads (memory_service.blocking): threads for I/O waits, not sized by the CPU count.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="read"))
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 

@@ -9,6 +9,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -18,6 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.access import CALLER, AccessControl
+from memory_service.blocking import run_blocking, writes_on
 from memory_service.config import ServiceConfig
 from memory_service.embedder import Embedder
 from memory_service.errors import (
@@ -99,6 +101,13 @@ def _usable_request_id(candidate: str | None) -> bool:
     return bool(candidate) and len(candidate) <= 128 and all(" " <= char <= "~" for char in candidate)
 
 
+# RPCs that write: their blocking calls run on threads of their own (memory_service.blocking), never queued behind
+# the reads'.
+WRITE_METHODS = frozenset({"IngestTurns", "IngestFacts", "DeleteFacts", "DeleteUser", "AnnounceProfile",
+                           "LeaseKvWork", "CompleteKvWork"})
+WRITE_THREADS = 8
+
+
 def rpc(handler: Handler) -> Handler:
     """Wraps a servicer method: request id and logging context, access control, readiness, metrics, error mapping.
 
@@ -126,6 +135,9 @@ def rpc(handler: Handler) -> Handler:
             CALLER.set(principal)
             if not self.ready:
                 raise NotReady("the memory service is starting; retry shortly")
+            if method in WRITE_METHODS:
+                with writes_on(self.write_executor):
+                    return await handler(self, request, context)
             return await handler(self, request, context)
         except MemoryServiceError as exc:
             code, error = status_code_for(exc), exc
@@ -159,6 +171,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.store: FactStore | None = None
         self.kv: KvPipeline | None = None
         self.ready = False
+        self.write_executor = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="write")
 
     async def load(self) -> None:
         await self.embedder.load()
@@ -190,6 +203,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def close(self) -> None:
         self.ready = False
         self.embedder.close()
+        self.write_executor.shutdown(wait=False, cancel_futures=True)
         if self.kv is not None:
             self.kv.kv.close()
 
@@ -354,7 +368,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         counts = await self._store.counts(user_id)
         profiles = []
         for profile_id, spec in self._kv.index.profiles().items():
-            queue = await asyncio.to_thread(self._kv.counts, profile_id, user_id)
+            queue = await run_blocking(self._kv.counts, profile_id, user_id)
             profiles.append(pb.ProfileKvStats(
                 profile_id=profile_id, model=spec["model"], context_window=spec["context_window"],
                 kv_dtype=spec["kv_dtype"], queued=queue.queued, leased=queue.leased, done=queue.done,
@@ -371,7 +385,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         workers = [] if CALLER.get().user_prefix else [
             pb.WorkerStats(worker_id=w.worker_id, profile_id=w.profile_id, last_seen_seconds_ago=now - w.last_seen,
                            facts_per_second=w.facts_per_second, device=pb.WorkerDevice(**w.device))
-            for w in await asyncio.to_thread(self._kv.index.workers, WORKERS_SHOWN_FOR_S)
+            for w in await run_blocking(self._kv.index.workers, WORKERS_SHOWN_FOR_S)
         ]
         return pb.GetStatsResponse(
             users=counts.users,
@@ -402,7 +416,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         if not math.isfinite(request.facts_per_second) or request.facts_per_second < 0:
             raise InvalidArgument("facts_per_second", "must be a finite, non-negative rate")
         device = request.device
-        await asyncio.to_thread(self._kv.index.record_worker, WorkerReport(
+        await run_blocking(self._kv.index.record_worker, WorkerReport(
             request.worker_id, profile_id, time.time(), request.facts_per_second,
             {"name": device.name, "memory_total_bytes": device.memory_total_bytes,
              "memory_used_bytes": device.memory_used_bytes, "utilization_percent": device.utilization_percent}

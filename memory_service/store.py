@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import structlog
 from lancedb.index import BTree
 
+from memory_service.blocking import run_blocking
 from memory_service.coordination import CoordinationStore, user_digest
 from memory_service.errors import LimitExceeded
 from memory_service.models import (
@@ -159,7 +160,7 @@ class FactStore:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
-        await asyncio.to_thread(self._check_store_meta)
+        await run_blocking(self._check_store_meta)
         if self._location.local_dir is not None:
             self._location.local_dir.mkdir(parents=True, exist_ok=True)
         # Replicas sharing the store see each other's commits: every read checks for a newer table version.
@@ -172,7 +173,7 @@ class FactStore:
         if LEGACY_VERSION_FLOORS_TABLE in existing:
             floors = await (await db.open_table(LEGACY_VERSION_FLOORS_TABLE)).query().to_list()
             for row in floors:
-                await asyncio.to_thread(self._coordination.raise_version_floor, row["key"], row["floor"])
+                await run_blocking(self._coordination.raise_version_floor, row["key"], row["floor"])
             await db.drop_table(LEGACY_VERSION_FLOORS_TABLE)
         for table in (self._facts, self._turns):
             await self._ensure_user_index(table)
@@ -280,8 +281,8 @@ class FactStore:
                 try:
                     ticket = WriteTicket(0, 0)
                     if changes_facts:
-                        before = await asyncio.to_thread(self._coordination.write_generation, user_id)
-                        during = await asyncio.to_thread(self._coordination.begin_write, user_id, before)
+                        before = await run_blocking(self._coordination.write_generation, user_id)
+                        during = await run_blocking(self._coordination.begin_write, user_id, before)
                         ticket = WriteTicket(before, during + 1)
                     try:
                         yield ticket
@@ -290,13 +291,13 @@ class FactStore:
                         raise
                     finally:
                         if changes_facts:
-                            await asyncio.to_thread(self._coordination.end_write, user_id)
+                            await run_blocking(self._coordination.end_write, user_id)
                 finally:
                     await loop.run_in_executor(self._lock_executor, lock.__exit__, None, None, None)
 
     async def _store_generation(self, user_id: str) -> int:
         """The user's write generation on a shared store (0 on a store of its own)."""
-        return await asyncio.to_thread(self._coordination.write_generation, user_id) if self._shared else 0
+        return await run_blocking(self._coordination.write_generation, user_id) if self._shared else 0
 
     def _current_entry(self, user_id: str, store_generation: int) -> UserFacts | None:
         """The user's cached facts if they reflect `store_generation`, the user's latest (shared stores: it must
@@ -360,7 +361,7 @@ class FactStore:
                 previous = existing.get(fact.fact_id)
                 if previous is None:
                     if first_version is None:
-                        first_version = await asyncio.to_thread(
+                        first_version = await run_blocking(
                             self._coordination.version_floor, user_digest(user_id)) + 1
                     results.append(IngestResult(fact.fact_id, first_version, IngestOutcome.CREATED))
                     to_write.append((fact, first_version, now))
@@ -514,7 +515,7 @@ class FactStore:
 
     async def _raise_version_floor(self, user_id: str, version: int) -> None:
         """Records, before the facts go, that the user's versions up to `version` are used up."""
-        await asyncio.to_thread(self._coordination.raise_version_floor, user_digest(user_id), version)
+        await run_blocking(self._coordination.raise_version_floor, user_digest(user_id), version)
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:
         """(user_id, fact_id, version) of every stored fact."""

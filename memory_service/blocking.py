@@ -1,0 +1,38 @@
+"""Where the service's blocking calls run (the coordination database, KV tiers, file and object-store I/O).
+
+Reads and writes wait for threads in separate queues: under a flood of RetrieveAndStage calls the read threads are
+all busy and their queue grows, and an IngestFacts that queued its coordination statements behind it stalled for
+tens of seconds (the 3-replica load test's DEADLINE_EXCEEDED). A write RPC runs its blocking calls on the write
+threads (`writes_on`, set by the servicer per method); everything else on the read threads, sized for I/O rather
+than for the CPU count (Python's default executor has cpu_count + 4 threads: 6 on a 2-core machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_EXECUTOR: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("blocking_executor", default=None)
+
+
+async def run_blocking(function: Callable[..., T], /, *args) -> T:
+    """`function(*args)` on a thread of the current executor (the write threads inside `writes_on`, else the event
+    loop's default executor), with the caller's context variables (log fields) as `asyncio.to_thread` does."""
+    call = functools.partial(contextvars.copy_context().run, function, *args)
+    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR.get(), call)
+
+
+@contextmanager
+def writes_on(executor: Executor) -> Iterator[None]:
+    """Blocking calls made inside (and in tasks created inside) run on `executor`."""
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
