@@ -2,8 +2,10 @@
 # The GPU runs (lent device, vLLM 0.26.0), after the carry parts are unpacked (../shared/device/README.md):
 #   bash benchmarks/device_run.sh OUT_DIR failure      # refused loads recompute to the text answer (per runner)
 #   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1: kv (always injects), text,
-#     text-stable, off, kv-tail1, with the connector's own time per load and the node embedding queries on the GPU
-#     (--embed-queries-locally); the kv crossover is drawn from it and recorded in inference_node/kv_crossover.json
+#     text-stable, off, kv-tail1, the node embedding queries on the GPU (--embed-queries-locally); the kv crossover is
+#     drawn from it and recorded in inference_node/kv_crossover.json
+#   bash benchmarks/device_run.sh OUT_DIR connector    # the connector's own time per load (--load-stats synchronizes
+#     the device at each phase, which slows kv: never in a run whose TTFTs are compared)
 #   bash benchmarks/device_run.sh OUT_DIR policy       # the same sweep with kv-auto (the node's crossover policy, read
 #     from the table: commit the latency stage's table first) and the memory service embedding queries
 #   bash benchmarks/device_run.sh OUT_DIR throughput   # 128 users with their own memories, 128 in flight, k=50
@@ -12,8 +14,8 @@
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); ~34 tokens per fact.
 # The kv contender always injects, so the sweep measures where injection starts to win; kv-auto follows the node's policy.
 set -euo pipefail
-out=${1:?usage: device_run.sh OUT_DIR failure|latency|throughput|cold}
-stage=${2:?usage: device_run.sh OUT_DIR failure|latency|throughput|cold}
+out=${1:?usage: device_run.sh OUT_DIR failure|latency|connector|policy|throughput|cold}
+stage=${2:?usage: device_run.sh OUT_DIR failure|latency|connector|policy|throughput|cold}
 export PYTHONPATH=/tmp/site:$PWD:$PWD/build/generated PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -24,19 +26,24 @@ common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clause
 node="--dtype bfloat16 --max-model-len 4096"
 sweep=(--k 1 2 5 10 20 50 --users 4 --facts-per-user 60 --requests 12 --concurrency 1)
 # A run cut short by the device's time limit leaves its servers behind, holding the GPU: stop them first.
-pkill -9 -f "EngineCore|vllm.entrypoints|memory_service|synthetic_worker|benchmarks.serve" 2>/dev/null || true
+pkill -9 -f "^VLLM::|python3? -m (vllm\.entrypoints|inference_node|memory_service|benchmarks\.synthetic_worker|benchmarks\.serve)( |$)" \
+  2>/dev/null || true
 quiet() { grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 case $stage in
   failure)
     python3 -m tests.inference_node.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
       | grep "^run=" | tee "$out/failure-path.txt" ;;
   latency)
-    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails 1 --load-stats --output "$out/serve-latency" \
+    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails 1 --output "$out/serve-latency" \
       --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192 --embed-queries-locally" \
       2>&1 | quiet | tee "$out/serve-latency.txt"
     python3 -m benchmarks.crossover "$out/serve-latency/results.json" --shape llama3-8b --model .gpu/smollm2 \
       --dtype bfloat16 --write 2>&1 | tail -2 | tee "$out/crossover.txt"
     cp inference_node/kv_crossover.json "$out/" ;;
+  connector)
+    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails --load-stats --output "$out/serve-connector" \
+      --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192" 2>&1 | quiet \
+      | tee "$out/serve-connector.txt" ;;
   policy)
     python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails --kv-auto --output "$out/serve-policy" \
       --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192" 2>&1 | quiet \

@@ -505,7 +505,8 @@ def main() -> None:
     loads = [f"c{c}" for c in args.concurrency] + [f"r{r:g}" for r in args.rate]
     if not loads:
         parser.error("give at least one --concurrency or --rate")
-    contenders = {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **{tail_contender(m): {"mode": "kv", "recompute_tail_facts": m} for m in args.tails}}
+    tails = {tail_contender(m): {**CONTENDERS["kv"], "recompute_tail_facts": m} for m in args.tails}
+    contenders = {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **tails}
     model_label = (f"{args.shape} shape, DUMMY weights, SYNTHETIC fact KV ({args.kv_dtype})" if args.shape
                    else f"{tokenizer_dir.name}, {args.kv_dtype}")
     args.output.mkdir(parents=True, exist_ok=True)

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
-import structlog
-
-from memory_service.config import ConfigError, load_config
 from memory_service.heap import limit_malloc_arenas
-from inferscale_kv.runtime import configure_logging
-from memory_service.server import serve
+
+MALLOC_ARENAS = limit_malloc_arenas()  # first, before an import starts a thread
+
+import asyncio  # noqa: E402
+import sys  # noqa: E402
+
+import structlog  # noqa: E402
+
+from inferscale_kv.runtime import configure_logging  # noqa: E402
+from memory_service.config import ConfigError, load_config  # noqa: E402
+from memory_service.server import serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
-        limit_malloc_arenas(config.malloc_arenas)  # before the service starts its threads
         configure_logging(config.log_level)
-        structlog.get_logger("memory_service").info("config", **config.as_log_fields())
+        structlog.get_logger("memory_service").info("config", malloc_arenas=MALLOC_ARENAS, **config.as_log_fields())
         asyncio.run(serve(config))  # ConfigError from files it reads (credentials) comes before it listens
     except ConfigError as exc:
         print(f"memory_service: {exc}", file=sys.stderr)

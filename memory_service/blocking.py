@@ -3,8 +3,9 @@
 Reads and writes wait for threads in separate queues: under a flood of RetrieveAndStage calls the read threads are
 all busy and their queue grows, and an IngestFacts that queued its coordination statements behind it stalled for
 tens of seconds (the 3-replica load test's DEADLINE_EXCEEDED). A write RPC runs its blocking calls on the write
-threads (`writes_on`, set by the servicer per method); everything else on the read threads, sized for I/O rather
-than for the CPU count (Python's default executor has cpu_count + 4 threads: 6 on a 2-core machine)."""
+threads, the workers' KV traffic on threads of its own (`blocking_calls_on`, set by the servicer per method);
+everything else on the read threads, sized for I/O rather than for the CPU count (Python's default executor has
+cpu_count + 4 threads: 6 on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ _EXECUTOR: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("blo
 
 
 async def run_blocking(function: Callable[..., T], /, *args) -> T:
-    """`function(*args)` on a thread of the current executor (the write threads inside `writes_on`, else the event
-    loop's default executor), with the caller's context variables (log fields) as `asyncio.to_thread` does."""
+    """`function(*args)` on a thread of the current executor (the one `blocking_calls_on` set, else the event loop's
+    default executor), with the caller's context variables (log fields) as `asyncio.to_thread` does."""
     call = functools.partial(contextvars.copy_context().run, function, *args)
     return await asyncio.get_running_loop().run_in_executor(_EXECUTOR.get(), call)
 
 
 @contextmanager
-def writes_on(executor: Executor) -> Iterator[None]:
+def blocking_calls_on(executor: Executor) -> Iterator[None]:
     """Blocking calls made inside (and in tasks created inside) run on `executor`."""
     token = _EXECUTOR.set(executor)
     try:

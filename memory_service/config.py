@@ -67,8 +67,6 @@ class ServiceConfig:
     # LanceDB's own caches (table manifests, file metadata, index pages). Unbounded by default they keep a manifest
     # per table version, and every write is a version: the full load test grew ~150 MiB a minute under steady ingest.
     lancedb_cache_mb: int = 128
-    # glibc malloc arenas (memory_service.heap; 0: glibc's default, one per thread up to 8 per core)
-    malloc_arenas: int = 2
     # LanceDB compaction and index refresh: about a second of both cores at 100k facts, which stalls queries
     # ~170 ms (every 30 s, that set the p99 under load); rows written since are found by a scan meanwhile.
     optimize_interval_s: float = 300.0
@@ -129,8 +127,6 @@ class ServiceConfig:
             raise ConfigError("--optimize-after-writes: must be at least 1")
         if self.lancedb_cache_mb < 1:
             raise ConfigError("--lancedb-cache-mb: must be at least 1")
-        if self.malloc_arenas < 0:
-            raise ConfigError("--malloc-arenas: must not be negative (0: glibc's default)")
         if self.search_cache_mb < 0:
             raise ConfigError("--search-cache-mb: must not be negative (0 searches LanceDB for every query)")
         if self.kv_disk_budget_gb <= 0:
@@ -245,8 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compact sooner once this many writes wait (a bulk import)")
     parser.add_argument("--lancedb-cache-mb", type=int, default=_env("lancedb_cache_mb", defaults.lancedb_cache_mb),
                         help="LanceDB's metadata and index caches together (half each)")
-    parser.add_argument("--malloc-arenas", type=int, default=_env("malloc_arenas", defaults.malloc_arenas),
-                        help="glibc malloc arenas (fewer: less memory held by threads; 0: glibc's default)")
     parser.add_argument("--search-cache-mb", type=int, default=_env("search_cache_mb", defaults.search_cache_mb),
                         help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
     parser.add_argument("--auth-file", default=_env("auth_file", None),
@@ -309,7 +303,6 @@ def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_max_attempts=int(args.kv_max_attempts),
         search_cache_mb=int(args.search_cache_mb),
         lancedb_cache_mb=int(args.lancedb_cache_mb),
-        malloc_arenas=int(args.malloc_arenas),
         optimize_interval_s=float(args.optimize_interval_s),
         optimize_after_writes=int(args.optimize_after_writes),
         **{name: Path(getattr(args, name)) if getattr(args, name) else None for name in _OPTIONAL_PATHS},

@@ -19,7 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from memory_service.access import CALLER, AccessControl
-from memory_service.blocking import run_blocking, writes_on
+from memory_service.blocking import blocking_calls_on, run_blocking
 from memory_service.config import ServiceConfig
 from memory_service.embedder import Embedder
 from memory_service.errors import (
@@ -101,11 +101,11 @@ def _usable_request_id(candidate: str | None) -> bool:
     return bool(candidate) and len(candidate) <= 128 and all(" " <= char <= "~" for char in candidate)
 
 
-# RPCs that write: their blocking calls run on threads of their own (memory_service.blocking), never queued behind
-# the reads'.
-WRITE_METHODS = frozenset({"IngestTurns", "IngestFacts", "DeleteFacts", "DeleteUser", "AnnounceProfile",
-                           "LeaseKvWork", "CompleteKvWork"})
-WRITE_THREADS = 8
+# Threads for the blocking calls of RPCs that write, and of the workers' KV traffic (multi-MB blob writes): each
+# kind on threads of its own (memory_service.blocking), never queued behind the reads' or each other's.
+WRITE_METHODS = frozenset({"IngestTurns", "IngestFacts", "DeleteFacts", "DeleteUser", "AnnounceProfile"})
+KV_WORK_METHODS = frozenset({"LeaseKvWork", "CompleteKvWork"})
+WRITE_THREADS, KV_WORK_THREADS = 8, 4
 
 
 def rpc(handler: Handler) -> Handler:
@@ -135,8 +135,9 @@ def rpc(handler: Handler) -> Handler:
             CALLER.set(principal)
             if not self.ready:
                 raise NotReady("the memory service is starting; retry shortly")
-            if method in WRITE_METHODS:
-                with writes_on(self.write_executor):
+            executor = self.executors.get(method)
+            if executor is not None:
+                with blocking_calls_on(executor):
                     return await handler(self, request, context)
             return await handler(self, request, context)
         except MemoryServiceError as exc:
@@ -171,7 +172,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.store: FactStore | None = None
         self.kv: KvPipeline | None = None
         self.ready = False
-        self.write_executor = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="write")
+        writes = ThreadPoolExecutor(max_workers=WRITE_THREADS, thread_name_prefix="write")
+        kv_work = ThreadPoolExecutor(max_workers=KV_WORK_THREADS, thread_name_prefix="kv-work")
+        self.executors = {**dict.fromkeys(WRITE_METHODS, writes), **dict.fromkeys(KV_WORK_METHODS, kv_work)}
 
     async def load(self) -> None:
         await self.embedder.load()
@@ -203,7 +206,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def close(self) -> None:
         self.ready = False
         self.embedder.close()
-        self.write_executor.shutdown(wait=False, cancel_futures=True)
+        for executor in set(self.executors.values()):  # after server.stop(): handlers past their grace are cancelled
+            executor.shutdown(wait=False, cancel_futures=True)
         if self.kv is not None:
             self.kv.kv.close()
 

@@ -26,7 +26,8 @@ async def test_an_ingest_completes_while_every_read_thread_is_busy(tmp_path) -> 
             stub = memory_pb2_grpc.MemoryServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             for _ in range(3000):
-                check = await health.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True)
+                assert not serving.done(), "the service stopped while starting"
+                check = await health.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=10)
                 if check.status == health_pb2.HealthCheckResponse.SERVING:
                     break
                 await asyncio.sleep(0.1)

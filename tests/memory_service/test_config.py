@@ -75,8 +75,3 @@ def test_a_non_positive_optimize_interval_is_refused() -> None:
     with pytest.raises(ConfigError, match="--optimize-interval-s"):
         load_config(["--data-dir", "/tmp/x", "--optimize-interval-s", "0"])
 
-
-def test_a_negative_malloc_arena_count_is_refused_and_two_is_the_default() -> None:
-    with pytest.raises(ConfigError, match="--malloc-arenas"):
-        load_config(["--data-dir", "/tmp/x", "--malloc-arenas", "-1"])
-    assert load_config(["--data-dir", "/tmp/x"]).malloc_arenas == 2
