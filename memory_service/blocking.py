@@ -4,8 +4,8 @@ Reads and writes wait for threads in separate queues: under a flood of RetrieveA
 all busy and their queue grows, and an IngestFacts that queued its coordination statements behind it stalled for
 tens of seconds (the 3-replica load test's DEADLINE_EXCEEDED). A write RPC runs its blocking calls on the write
 threads, the workers' KV traffic on threads of its own (`blocking_calls_on`, set by the servicer per method);
-everything else on the read threads, sized for I/O rather than for the CPU count (Python's default executor has
-cpu_count + 4 threads: 6 on a 2-core machine)."""
+everything else on the event loop's default executor: on a shared store 32 read threads, sized for PostgreSQL's
+I/O waits rather than for the CPU count (Python's default has cpu_count + 4 threads: 6 on a 2-core machine)."""
 
 from __future__ import annotations
 
