@@ -74,4 +74,3 @@ def test_the_embedding_cache_defaults_into_the_data_dir(monkeypatch: pytest.Monk
 def test_a_non_positive_optimize_interval_is_refused() -> None:
     with pytest.raises(ConfigError, match="--optimize-interval-s"):
         load_config(["--data-dir", "/tmp/x", "--optimize-interval-s", "0"])
-
