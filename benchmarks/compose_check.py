@@ -38,6 +38,24 @@ def median_ms(run, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def llama3_8b_config() -> LlamaConfig:
+    return LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
+
+
+def rotary_tables(config: LlamaConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as the connector keeps them: float32, contiguous, on `device`."""
+    tables = RotaryTables.from_config(config, 8192, device)
+    return tables.cos.float().contiguous(), tables.sin.float().contiguous()
+
+
+def random_chunks(config: LlamaConfig, lengths: list[int], device: torch.device,
+                  dtype: torch.dtype) -> list[ChunkSlice]:
+    """One whole chunk of random K/V per length, shaped as the node cache holds them."""
+    shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    return [ChunkSlice(torch.randn(shape[0], n, *shape[1:], device=device, dtype=dtype),
+                       torch.randn(shape[0], n, *shape[1:], device=device, dtype=dtype), 0, n) for n in lengths]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[10, 50])
@@ -48,17 +66,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("compose_check: needs a CUDA device (the CPU path is covered by the tests)")
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
-    config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
-    tables = RotaryTables.from_config(config, 8192, device)
-    cos, sin = tables.cos.float().contiguous(), tables.sin.float().contiguous()
-    layers, heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    config = llama3_8b_config()
+    cos, sin = rotary_tables(config, device)
+    layers = config.num_hidden_layers
     start = 0
     print(f"{'k':>4}{'tokens':>8}{'max|fused-ref|':>16}{'max|torch-ref|':>16}{'fused ms':>10}{'torch ms':>10}")
     for k in args.k:
         lengths = [args.header_tokens] + [args.tokens_per_fact] * k
-        slices = [ChunkSlice(torch.randn(layers, n, heads, head_dim, device=device, dtype=dtype),
-                             torch.randn(layers, n, heads, head_dim, device=device, dtype=dtype), 0, n)
-                  for n in lengths]
+        slices = random_chunks(config, lengths, device, dtype)
         reference = compose_prefix([ChunkSlice(s.keys.float(), s.values.float(), s.begin, s.end) for s in slices],
                                    start, cos, sin, layers, fused=False)
         fused = compose_prefix(slices, start, cos, sin, layers, fused=True)

@@ -15,11 +15,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import LlamaConfig
-
-from benchmarks.dummy_model import LLAMA3_8B
+from benchmarks.compose_check import llama3_8b_config, random_chunks, rotary_tables
 from inference_node import compose
-from inferscale_kv.rope import RotaryTables
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCKS = 32, 8, 128, 16, 4096
 
@@ -45,17 +42,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("compose_host: needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    config = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
-    rotary = RotaryTables.from_config(config, 8192, device)
-    cos, sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
+    config = llama3_8b_config()
+    cos, sin = rotary_tables(config, device)
     caches = [torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
               for _ in range(LAYERS)]
     print(f"{'k':>4}{'tokens':>8}{'compose_into_cache ms':>24}{'index tables ms':>18}{'launch ms':>12}")
     for k in args.k:
         lengths = [args.header_tokens] + [args.tokens_per_fact] * k
-        slices = [compose.ChunkSlice(torch.randn(LAYERS, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype),
-                                     torch.randn(LAYERS, n, KV_HEADS, HEAD_DIM, device=device, dtype=dtype), 0, n)
-                  for n in lengths]
+        slices = random_chunks(config, lengths, device, dtype)
         count = sum(lengths)
         target = compose.PagedCaches(caches, tuple(torch.randperm(BLOCKS)[: -(-count // BLOCK_SIZE)].tolist()),
                                      BLOCK_SIZE)

@@ -49,7 +49,7 @@ class InferScaleWorker:
         self._stager = KvStager(settings, self._cache, self._model_config.hf_config, shard)
         self._fetcher: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[LoadSpec, Future]] = {}
-        self._staging_ms: dict[str, float] = {}  # async loads staged from the node cache: their staging time
+        self._staging_ms: dict[str, float] = {}  # benchmark mode: async loads staged from the node cache, their time
         self._failed_blocks: set[int] = set()
         self._stats = LoadStats()
         self._last_misses = 0
@@ -90,7 +90,8 @@ class InferScaleWorker:
             try:
                 started = self._now()
                 self._inflight[spec.request_id] = (spec, _done_future(self._stage(spec, device, may_fetch=False)))
-                self._staging_ms[spec.request_id] = (self._now() - started) * 1000
+                if self.settings.load_stats_path:
+                    self._staging_ms[spec.request_id] = (self._now() - started) * 1000
                 return
             except NotResident:
                 pass
@@ -112,7 +113,7 @@ class InferScaleWorker:
             del self._inflight[req_id]
             done.add(req_id)
             self._stats.add("async_loads")
-            staging_ms = self._staging_ms.pop(req_id, None)  # None: fetched, not staged from the node cache
+            staging_ms = self._staging_ms.pop(req_id, None)  # None: fetched, or not in benchmark mode
             try:
                 entries = self._count(future.result())
                 write_started = self._now()
