@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from memory_service.heap import limit_malloc_arenas
+from memory_service.heap import configure_malloc
 
-MALLOC_ARENAS = limit_malloc_arenas()  # first, before an import starts a thread
+MALLOC_SETTINGS = configure_malloc()  # first, before an import starts a thread
 
 import asyncio  # noqa: E402
 import sys  # noqa: E402
@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
         configure_logging(config.log_level)
-        structlog.get_logger("memory_service").info("config", malloc_arenas=MALLOC_ARENAS, **config.as_log_fields())
+        structlog.get_logger("memory_service").info(
+            "config", malloc_arenas=MALLOC_SETTINGS.arenas,
+            malloc_mmap_threshold_bytes=MALLOC_SETTINGS.mmap_threshold_bytes, **config.as_log_fields())
         asyncio.run(serve(config))  # ConfigError from files it reads (credentials) comes before it listens
     except ConfigError as exc:
         print(f"memory_service: {exc}", file=sys.stderr)

@@ -460,10 +460,12 @@ class FactStore:
         write landing in between moves it, so the copy is not current); with a write under way (odd), unlabelled."""
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
             [*FACT_ROW_COLUMNS, "vector"]).to_arrow()
-        vectors = table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        # Copied out of Arrow's memory pool: a cached matrix lives as long as its user's entry and is replaced by
+        # numpy arrays on the user's writes, so holding it in Arrow's pool too would keep both allocators' pages.
+        vectors = np.array(table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False),
+                           dtype=np.float32, copy=True)
         rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS)))
-        return UserFacts(rows, np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(rows), self._dim),
-                         -1 if store_generation % 2 else store_generation)
+        return UserFacts(rows, vectors.reshape(len(rows), self._dim), -1 if store_generation % 2 else store_generation)
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""

@@ -1,4 +1,5 @@
-"""The service caps glibc's malloc arenas before anything starts a thread: two by default, MALLOC_ARENA_MAX wins."""
+"""The service sets glibc's malloc up before anything starts a thread: two arenas and a fixed mmap threshold by
+default, glibc's own variables winning."""
 
 import os
 import subprocess
@@ -6,14 +7,47 @@ import sys
 
 import pytest
 
-PROBE = "import memory_service.__main__ as m; print(m.MALLOC_ARENAS)"
+SETTINGS_PROBE = ("import memory_service.__main__ as m; "
+                  "print(m.MALLOC_SETTINGS.arenas, m.MALLOC_SETTINGS.mmap_threshold_bytes)")
+# A 1 MiB block freed and asked for again: glibc's sliding threshold serves the second from the heap (0 mapped
+# blocks), a fixed one maps it again (1).
+REUSE_PROBE = """
+import ctypes
+import memory_service.__main__
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+before = libc.mallinfo2().hblks
+libc.free(libc.malloc(1 << 20))
+block = libc.malloc(1 << 20)
+print(libc.mallinfo2().hblks - before)
+"""
 
 
-@pytest.mark.parametrize(("setting", "expected"), [(None, "2"), ("3", "3"), ("0", "None")])
-def test_the_arena_cap_is_two_unless_malloc_arena_max_says_otherwise(setting, expected) -> None:
-    env = {key: value for key, value in os.environ.items() if key != "MALLOC_ARENA_MAX"}
-    if setting is not None:
-        env["MALLOC_ARENA_MAX"] = setting
-    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120)
+def _run(probe: str, **variables: str) -> str:
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_")}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**env, **variables},
+                            timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == expected
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize(("variables", "expected"), [
+    ({}, "2 131072"),
+    ({"MALLOC_ARENA_MAX": "3", "MALLOC_MMAP_THRESHOLD_": "65536"}, "3 65536"),
+    ({"MALLOC_ARENA_MAX": "0"}, "None 131072"),
+])
+def test_two_arenas_and_a_128_kib_mmap_threshold_unless_glibcs_variables_say_otherwise(variables, expected) -> None:
+    assert _run(SETTINGS_PROBE, **variables) == expected
+
+
+def test_a_freed_large_block_does_not_move_the_next_one_into_the_heap() -> None:
+    """The search cache's fact matrices are replaced by slightly larger ones on every write: with glibc's sliding
+    threshold each would be carved from the heap, leaving a hole too small for the next."""
+    assert _run(REUSE_PROBE) == "1"

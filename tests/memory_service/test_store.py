@@ -190,3 +190,17 @@ async def test_lancedbs_caches_stay_within_their_budget_as_writes_add_table_vers
         await store.ingest_facts(f"u{write % 10}", [NewFact(f"f{write}", f"axis-{write % DIM} fact")], _axis_embed)
         await store.search(f"u{write % 10}", _query(write % DIM), 1)
     assert store._lancedb_session.size_bytes <= 1 << 20
+
+
+async def test_a_users_cached_fact_matrix_holds_nothing_in_arrows_memory_pool(tmp_path) -> None:
+    """Cached matrices are replaced by numpy arrays on every write to their user; one read from LanceDB and kept in
+    Arrow's pool would hold pages in two allocators (the full load test's resident size crept with ingest)."""
+    store = _local_store(tmp_path)
+    await store.open()
+    await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i % DIM} fact") for i in range(2000)], _axis_embed)
+    store._search_cache.invalidate("u")
+    pooled = pa.total_allocated_bytes()
+    await store.search("u", _query(0), 1)
+    cached = store._search_cache.get("u")
+    assert cached is not None and cached.vectors.nbytes == 2000 * DIM * 4
+    assert pa.total_allocated_bytes() - pooled < cached.vectors.nbytes
