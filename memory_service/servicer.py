@@ -31,6 +31,7 @@ from memory_service.errors import (
     status_code_for,
 )
 from memory_service.metrics import ServiceMetrics
+from memory_service.steps import start_step_clock, step_done
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
 from memory_service.coordination import CoordinationStore, Job, WorkerReport
 from memory_service.kv_pipeline import KvPipeline, Upload
@@ -126,6 +127,7 @@ def rpc(handler: Handler) -> Handler:
             request_id=request_id, method=method, user_id=getattr(request, "user_id", None)
         )
         started = time.perf_counter()
+        steps = start_step_clock()
         code = grpc.StatusCode.OK
         error: BaseException | None = None
         try:
@@ -149,7 +151,8 @@ def rpc(handler: Handler) -> Handler:
             elapsed = time.perf_counter() - started
             self.metrics.rpc_requests.labels(method=method, code=code.name).inc()
             self.metrics.rpc_duration.labels(method=method).observe(elapsed)
-            log.info("rpc", code=code.name, duration_ms=round(elapsed * 1000, 3), error=str(error) if error else None)
+            log.info("rpc", code=code.name, duration_ms=round(elapsed * 1000, 3), error=str(error) if error else None,
+                     **({"steps_ms": steps.ms} if steps.ms else {}))
         message = str(error) if code != grpc.StatusCode.INTERNAL else f"internal error (request id {request_id})"
         await context.abort(code, message)
 
@@ -240,8 +243,10 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             query = validate_text(request.query, "query", self.limits.max_query_chars)
             with self.metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
                 query_vector = await self.embedder.embed_query(query)
+            step_done("embed")
         with self.metrics.retrieval_duration.time():
             results = await self._store.search(user_id, query_vector, top_k)
+        step_done("search")
         self.metrics.facts_retrieved.inc(len(results))
         return results
 
@@ -272,9 +277,11 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         await self._kv.facts_changed(
             user_id, [(r.fact_id, r.version) for r in results if r.outcome is not IngestOutcome.UNCHANGED]
         )
+        step_done("kv_queue")
         for result in results:
             self.metrics.facts_ingested.labels(outcome=result.outcome.value).inc()
         await self._refresh_stored_gauges()
+        step_done("gauges")
         log.info("facts_ingested", facts=len(results))
         return pb.IngestFactsResponse(
             facts=[
@@ -305,6 +312,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         results = await self._search(user_id, request, top_k)
         entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
         header = await self._kv.header_entry(profile_id)
+        step_done("kv_index")
         facts = []
         for rank, r in enumerate(results, start=1):
             entry = entries.get(r.fact.fact_id)

@@ -39,6 +39,7 @@ from memory_service.models import (
     StoredTurn,
 )
 from memory_service.object_store import StoreLocation
+from memory_service.steps import step_done
 from memory_service.search_cache import FACT_ROW_COLUMNS, UserFacts, UserFactsCache, fact_row, stored_fact
 
 log = structlog.get_logger(__name__)
@@ -268,6 +269,7 @@ class FactStore:
         cached before it stops being current; cut off midway, the user just stays uncached until its next write."""
         async with self._user_locks[zlib.crc32(user_id.encode()) % _USER_LOCK_STRIPES]:
             if not self._shared:
+                step_done("lock")
                 try:
                     yield WriteTicket(0, 0)
                 except BaseException:
@@ -278,12 +280,14 @@ class FactStore:
                 lock = self._coordination.user_lock(user_id)
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self._lock_executor, lock.__enter__)
+                step_done("lock")
                 try:
                     ticket = WriteTicket(0, 0)
                     if changes_facts:
                         before = await run_blocking(self._coordination.write_generation, user_id)
                         during = await run_blocking(self._coordination.begin_write, user_id, before)
                         ticket = WriteTicket(before, during + 1)
+                        step_done("begin_write")
                     try:
                         yield ticket
                     except BaseException:
@@ -292,8 +296,10 @@ class FactStore:
                     finally:
                         if changes_facts:
                             await run_blocking(self._coordination.end_write, user_id)
+                            step_done("end_write")
                 finally:
                     await loop.run_in_executor(self._lock_executor, lock.__exit__, None, None, None)
+                    step_done("unlock")
 
     async def _store_generation(self, user_id: str) -> int:
         """The user's write generation on a shared store (0 on a store of its own)."""
@@ -378,8 +384,10 @@ class FactStore:
                 prefix, max_facts = tenant_quota
                 await self._refuse_past_quota(f"starts_with(user_id, '{prefix}')", created,
                                               f"the users under {prefix!r} hold", max_facts, "the tenant's quota of {}")
+            step_done("check")
             if to_write:
                 vectors: np.ndarray = await embed([fact.text for fact, _, _ in to_write])
+                step_done("embed")
                 records = [
                     {
                         "key": row_key(user_id, fact.fact_id),
@@ -401,6 +409,7 @@ class FactStore:
                                    all_new=len(to_write) == created)
                 self._search_cache.upsert(user_id, [fact_row(record) for record in records], vectors, ticket.before,
                                           ticket.after)
+                step_done("commit")
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:

@@ -1,6 +1,7 @@
 """Round trips through a real memory service process (real LanceDB, real embedding model)."""
 
 import asyncio
+import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -192,3 +193,22 @@ def test_a_query_embedded_by_the_caller_with_the_services_model_finds_what_its_t
                                                        embedding_model_id=model_id, top_k=3)).facts
     assert [f.fact.fact_id for f in by_vector] == [f.fact.fact_id for f in by_text]
     assert [f.score for f in by_vector] == pytest.approx([f.score for f in by_text], abs=1e-4)
+
+
+def test_the_rpc_log_line_says_where_an_ingests_and_a_retrieves_time_went(stub, memory_service) -> None:
+    """Operators reading a slow call's log line see its steps, each timed from the end of the one before."""
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-steps", facts=PET_FACTS[:1]),
+                     metadata=(("x-request-id", "steps-ingest"),))
+    profile = pb.KvProfile(model="m", model_hash="mh", kv_dtype="bfloat16", tokenizer_hash="th", header_hash="hh",
+                           recipe="chunked-rope-cwe", recipe_version=1)
+    profile.profile_id = kv_profile_id(profile)
+    stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="rt-steps", query="pets?", top_k=1, profile=profile,
+                                                     node_id="n"), metadata=(("x-request-id", "steps-retrieve"),))
+    lines = [json.loads(line) for line in memory_service.log_path.read_text().splitlines() if line.startswith("{")]
+    rpc = {line["request_id"]: line for line in lines if line.get("event") == "rpc" and "request_id" in line}
+    ingest, retrieve = rpc["steps-ingest"], rpc["steps-retrieve"]
+    assert list(ingest["steps_ms"]) == ["lock", "check", "embed", "commit", "kv_queue", "gauges"]
+    assert list(retrieve["steps_ms"]) == ["embed", "search", "kv_index"]
+    for line in (ingest, retrieve):
+        assert all(ms >= 0 for ms in line["steps_ms"].values())
+        assert sum(line["steps_ms"].values()) <= line["duration_ms"]
