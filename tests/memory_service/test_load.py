@@ -3,13 +3,13 @@ isolation audit over every response (each user's fact texts carry a marker no ot
 resident memory sampled through the run. `make test` runs a short version; the full one (200 callers, 60 s of
 saturation and 60 s at each of four paced rates on 1,000 users x 100 facts) is `make test-load` (marker `slow`).
 
-After populating, a warm-up searches every user once (all callers at once), so that the search cache holds its
-working set; memory is sampled from then on. Then the measured phases, on one population. Saturation: every caller
-sends its next call as soon as the last one answers (closed loop), which measures capacity; its latency is queueing
-behind the other callers, by Little's law callers / throughput. Paced: the same callers each pause an exponential
-think time between calls, so together they offer a fixed rate below capacity (a fleet of nodes sending requests as
-users arrive); its latency is the service time at that load. Throughput and latency are reported, never asserted;
-errors, isolation and memory growth are.
+After populating, a warm-up searches every user once on every replica (all callers at once), so that the search
+caches hold their working set; memory is sampled from then on. Then the measured phases, on one population.
+Saturation: every caller sends its next call as soon as the last one answers (closed loop), which measures capacity;
+its latency is queueing behind the other callers, by Little's law callers / throughput. Paced: the same callers
+each pause an exponential think time between calls, so together they offer a fixed rate below capacity (a fleet of
+nodes sending requests as users arrive); its latency is the service time at that load. Throughput and latency are
+reported, never asserted; errors, isolation and memory growth are.
 
 The replica mode runs the same load against three replicas on a real PostgreSQL and a real S3-compatible store
 (SeaweedFS), reached through one address as nodes reach them (round robin); memory is the replicas' sum."""
@@ -180,20 +180,28 @@ async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) 
     report.wall_s = time.perf_counter() - started
 
 
-async def _warm_up(stub, shape: LoadShape) -> float:
-    """Every user searched once, by all the callers at once (as a restarted service meets its fleet): the search
-    cache and LanceDB's own caches reach their working set before anything is measured. Returns seconds taken."""
+async def _warm_up(services: list[MemoryServiceProcess], shape: LoadShape) -> float:
+    """Every user searched once on every replica, by all the callers at once (as a restarted fleet meets its nodes):
+    each replica's search cache and LanceDB's own caches reach their working set (every user: round robin sends any
+    user to any replica) before anything is measured. Returns seconds taken."""
     profile = _profile()
-    pending = list(range(shape.users))
     started = time.perf_counter()
 
-    async def caller() -> None:
-        while pending:
-            index = pending.pop()
-            await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-                user_id=_user(index), query="warm-up", top_k=20, profile=profile, node_id="warm-up"), timeout=120)
+    async def warm(service: MemoryServiceProcess) -> None:
+        pending = list(range(shape.users))
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
 
-    await asyncio.gather(*(caller() for _ in range(shape.callers)))
+            async def caller() -> None:
+                while pending:
+                    index = pending.pop()
+                    await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                        user_id=_user(index), query="warm-up", top_k=20, profile=profile, node_id="warm-up"),
+                        timeout=120)
+
+            await asyncio.gather(*(caller() for _ in range(max(1, shape.callers // len(services)))))
+
+    await asyncio.gather(*(warm(service) for service in services))
     return time.perf_counter() - started
 
 
@@ -208,7 +216,7 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_
             # Every replica has compacted its share of the import once, as an operator's bulk import ends: reads
             # of users not yet cached then find their rows through the user index.
             await asyncio.to_thread(wait_for_compactions, services, compacted)
-        report.warmup_s = await _warm_up(stub, shape)
+        report.warmup_s = await _warm_up(services, shape)
         running = True
 
         async def memory_sampler() -> None:
