@@ -5,13 +5,16 @@ a no-op.
 - **Arenas.** Its threads (gRPC, LanceDB's runtime, the embedders, the coordination store) each get an arena of
   their own by default, and memory freed in one is seldom reused by another: the full load test grew +18.5% with
   glibc's default arenas and +12.6% with two (2026-12-06).
-- **A fixed mmap threshold.** glibc serves blocks from 128 KiB up by mmap, but raises that threshold to the size of
-  every such block freed, up to 32 MiB. The search cache replaces a user's fact matrix (~150 KiB per 100 facts) with
-  one a write larger, so after the first replacement every matrix lands in the heap, and each freed one leaves a hole
-  just too small for the next: the resident size crept ~18 KiB per ingested fact. With the threshold fixed (which
-  turns the raising off), each matrix is its own mapping and goes back to the system when replaced.
+- **A fixed mmap threshold.** glibc maps blocks from 128 KiB up that its free lists cannot serve, but raises that
+  threshold to the size of every mapped block freed, up to 32 MiB. The search cache replaces a user's fact matrix
+  (~150 KiB per 100 facts) with one a write larger, so after the first replacement the matrices were carved from the
+  heap, each freed one leaving a hole just too small for the next: the resident size crept ~18 KiB per ingested fact
+  (+11.5% in the full load test, +1.9% with the threshold fixed, which turns the raising off). The cost: a large
+  temporary (an embedding batch's hidden states) is mapped and unmapped each time instead of reused from the heap.
+  Each large cached matrix is a mapping of its own; a search cache of several GiB of small users could approach the
+  kernel's vm.max_map_count (65,530 by default).
 
-glibc's own MALLOC_ARENA_MAX and MALLOC_MMAP_THRESHOLD_ variables win where set."""
+Where glibc's own MALLOC_ARENA_MAX or MALLOC_MMAP_THRESHOLD_ is set, glibc has applied it and it is left alone."""
 
 from __future__ import annotations
 
@@ -27,28 +30,25 @@ _M_ARENA_MAX = -8
 
 @dataclass(frozen=True)
 class MallocSettings:
-    """What was set; None where it did not apply (not glibc, or glibc's variable set to 0 or less, which glibc then
-    handles itself: MALLOC_ARENA_MAX=0 is its default count, MALLOC_MMAP_THRESHOLD_=0 maps every block)."""
+    """Each setting as in effect: the service's default, `<value> (environment)` where glibc's variable set it, or
+    None where not on glibc."""
 
-    arenas: int | None
-    mmap_threshold_bytes: int | None
-
-
-def _setting(variable: str, default: int) -> int:
-    try:
-        return int(os.environ.get(variable, default))
-    except ValueError:
-        return default
+    arenas: str | None
+    mmap_threshold_bytes: str | None
 
 
 def configure_malloc() -> MallocSettings:
-    """Caps glibc's arenas at MALLOC_ARENA_MAX or DEFAULT_ARENAS, and fixes its mmap threshold at
-    MALLOC_MMAP_THRESHOLD_ or DEFAULT_MMAP_THRESHOLD_BYTES (a variable set is applied by glibc itself already)."""
+    """Caps glibc's arenas at DEFAULT_ARENAS and fixes its mmap threshold at DEFAULT_MMAP_THRESHOLD_BYTES, each
+    unless glibc's own variable (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_) is set."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return MallocSettings(None, None)
-    arenas = _setting("MALLOC_ARENA_MAX", DEFAULT_ARENAS)
-    threshold = _setting("MALLOC_MMAP_THRESHOLD_", DEFAULT_MMAP_THRESHOLD_BYTES)
-    return MallocSettings(arenas=arenas if arenas > 0 and mallopt(_M_ARENA_MAX, arenas) else None,
-                          mmap_threshold_bytes=threshold if threshold > 0 and mallopt(_M_MMAP_THRESHOLD, threshold)
-                          else None)
+
+    def setting(variable: str, parameter: int, default: int) -> str | None:
+        if variable in os.environ:
+            return f"{os.environ[variable]} (environment)"
+        return str(default) if mallopt(parameter, default) else None
+
+    return MallocSettings(arenas=setting("MALLOC_ARENA_MAX", _M_ARENA_MAX, DEFAULT_ARENAS),
+                          mmap_threshold_bytes=setting("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD,
+                                                       DEFAULT_MMAP_THRESHOLD_BYTES))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from inferscale_kv.blob import CorruptKvBlob, read_kv_header
-from inferscale_kv.eviction import EvictionPolicy, LruEviction
+from inferscale_kv.eviction import EvictionPolicy
 from inferscale_kv.kv_key import KvKey
 
 

@@ -142,12 +142,17 @@ def rpc(handler: Handler) -> Handler:
                 with blocking_calls_on(executor):
                     return await handler(self, request, context)
             return await handler(self, request, context)
+        except asyncio.CancelledError:  # the client cancelled or its deadline passed: no status to send
+            code = grpc.StatusCode.CANCELLED
+            raise
         except MemoryServiceError as exc:
             code, error = status_code_for(exc), exc
         except Exception as exc:  # noqa: BLE001 - a bug must become INTERNAL, not a dropped stream
             code, error = grpc.StatusCode.INTERNAL, exc
             log.exception("rpc_failed")
         finally:
+            if steps.ms:
+                steps.step_done("rest")
             elapsed = time.perf_counter() - started
             self.metrics.rpc_requests.labels(method=method, code=code.name).inc()
             self.metrics.rpc_duration.labels(method=method).observe(elapsed)
@@ -271,6 +276,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             if held >= tenant.max_kv_bytes:
                 raise LimitExceeded("facts", f"the users under {tenant.user_prefix!r} hold {held} bytes of fact KV, "
                                     f"the tenant's quota is {tenant.max_kv_bytes}")
+        step_done("admit")
         tenant_quota = (tenant.user_prefix, tenant.max_facts) if tenant.max_facts is not None else None
         results = await self._store.ingest_facts(user_id, facts, self._embed_for_ingest,
                                                  self.limits.max_facts_per_user, tenant_quota)
@@ -309,6 +315,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         profile_id = validate_profile(request.profile)
         validate_id(request.node_id, "node_id")
         await self._kv.announce(profile_id, profile_fields(request.profile))
+        step_done("announce")
         results = await self._search(user_id, request, top_k)
         entries = await self._kv.entries(profile_id, user_id, [r.fact for r in results])
         header = await self._kv.header_entry(profile_id)

@@ -275,6 +275,8 @@ class FactStore:
                 except BaseException:
                     self._search_cache.invalidate(user_id)
                     raise
+                finally:
+                    step_done("write")
                 return
             async with self._lock_slots:  # waiters wait here, on the event loop, not on a thread
                 lock = self._coordination.user_lock(user_id)
@@ -294,6 +296,7 @@ class FactStore:
                         self._search_cache.invalidate(user_id)
                         raise
                     finally:
+                        step_done("write")
                         if changes_facts:
                             await run_blocking(self._coordination.end_write, user_id)
                             step_done("end_write")
@@ -409,7 +412,6 @@ class FactStore:
                                    all_new=len(to_write) == created)
                 self._search_cache.upsert(user_id, [fact_row(record) for record in records], vectors, ticket.before,
                                           ticket.after)
-                step_done("commit")
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -469,12 +471,14 @@ class FactStore:
         write landing in between moves it, so the copy is not current); with a write under way (odd), unlabelled."""
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
             [*FACT_ROW_COLUMNS, "vector"]).to_arrow()
-        # Copied out of Arrow's memory pool: a cached matrix lives as long as its user's entry and is replaced by
-        # numpy arrays on the user's writes, so holding it in Arrow's pool too would keep both allocators' pages.
-        vectors = np.array(table.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False),
-                           dtype=np.float32, copy=True)
+        # One numpy copy, nothing in Arrow's memory pool: a cached matrix lives as long as its user's entry and is
+        # replaced by numpy arrays on the user's writes, so holding it in Arrow's pool too would keep both
+        # allocators' pages.
+        chunks = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in table.column("vector").chunks]
+        vectors = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.float32)
         rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS)))
-        return UserFacts(rows, vectors.reshape(len(rows), self._dim), -1 if store_generation % 2 else store_generation)
+        return UserFacts(rows, vectors.astype(np.float32, copy=False).reshape(len(rows), self._dim),
+                         -1 if store_generation % 2 else store_generation)
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""

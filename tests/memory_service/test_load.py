@@ -88,10 +88,12 @@ class LoadReport:
     warmup_s: float = 0.0
     rss_mib: list[float] = field(default_factory=list)  # sampled each second from the end of the warm-up
     rss_mib_after_phase: dict[str, float] = field(default_factory=dict)
+    rss_mib_after_populate: float | None = None  # before the warm-up fills the search caches
 
     def summary(self) -> dict:
         return {"shape": asdict(self.shape), "warmup_s": round(self.warmup_s, 1),
                 "phases": {phase.name: self.phases[phase.name].summary(phase) for phase in self.shape.phases},
+                "rss_mib_after_populate": self.rss_mib_after_populate,
                 "rss_mib_after_warmup": self.rss_mib[0] if self.rss_mib else None,
                 "rss_mib_max": max(self.rss_mib) if self.rss_mib else None,
                 "rss_mib_end": self.rss_mib[-1] if self.rss_mib else None,
@@ -181,9 +183,10 @@ async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) 
 
 
 async def _warm_up(services: list[MemoryServiceProcess], shape: LoadShape) -> float:
-    """Every user searched once on every replica, by all the callers at once (as a restarted fleet meets its nodes):
-    each replica's search cache and LanceDB's own caches reach their working set (every user: round robin sends any
-    user to any replica) before anything is measured. Returns seconds taken."""
+    """Every user searched once on every replica, by all the callers at once: each replica's search cache and
+    LanceDB's own caches reach their working set (every user: round robin sends any user to any replica) before
+    anything is measured. Filling them is measured apart (memory after populating, and after this). Returns seconds
+    taken."""
     profile = _profile()
     started = time.perf_counter()
 
@@ -216,6 +219,7 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_
             # Every replica has compacted its share of the import once, as an operator's bulk import ends: reads
             # of users not yet cached then find their rows through the user index.
             await asyncio.to_thread(wait_for_compactions, services, compacted)
+        report.rss_mib_after_populate = round(sum(_rss_mib(service.process.pid) for service in services), 1)
         report.warmup_s = await _warm_up(services, shape)
         running = True
 

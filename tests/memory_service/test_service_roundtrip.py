@@ -207,8 +207,8 @@ def test_the_rpc_log_line_says_where_an_ingests_and_a_retrieves_time_went(stub, 
     lines = [json.loads(line) for line in memory_service.log_path.read_text().splitlines() if line.startswith("{")]
     rpc = {line["request_id"]: line for line in lines if line.get("event") == "rpc" and "request_id" in line}
     ingest, retrieve = rpc["steps-ingest"], rpc["steps-retrieve"]
-    assert list(ingest["steps_ms"]) == ["lock", "check", "embed", "commit", "kv_queue", "gauges"]
-    assert list(retrieve["steps_ms"]) == ["embed", "search", "kv_index"]
+    assert list(ingest["steps_ms"]) == ["admit", "lock", "check", "embed", "write", "kv_queue", "gauges", "rest"]
+    assert list(retrieve["steps_ms"]) == ["announce", "embed", "search", "kv_index", "rest"]
     for line in (ingest, retrieve):
         assert all(ms >= 0 for ms in line["steps_ms"].values())
         assert sum(line["steps_ms"].values()) <= line["duration_ms"]
