@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -212,3 +213,20 @@ def test_the_rpc_log_line_says_where_an_ingests_and_a_retrieves_time_went(stub, 
     for line in (ingest, retrieve):
         assert all(ms >= 0 for ms in line["steps_ms"].values())
         assert sum(line["steps_ms"].values()) <= line["duration_ms"]
+
+
+def test_a_call_past_its_deadline_is_logged_and_counted_as_cancelled_not_ok(stub, memory_service) -> None:
+    """The handler is cancelled mid-embedding when the client's deadline passes; its log line must not say OK."""
+    facts = [pb.FactInput(text=f"fact {n}: " + "the user keeps a long diary of walks, meals and friends " * 6)
+             for n in range(200)]
+    with pytest.raises(grpc.RpcError) as error:
+        stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-deadline", facts=facts), timeout=0.3,
+                         metadata=(("x-request-id", "deadline-ingest"),))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        lines = [json.loads(line) for line in memory_service.log_path.read_text().splitlines()
+                 if line.startswith("{") and '"deadline-ingest"' in line and '"event": "rpc"' in line]
+        if lines:
+            break
+        time.sleep(0.1)
+    assert [line["code"] for line in lines] == ["CANCELLED"]
