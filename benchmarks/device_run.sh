@@ -28,7 +28,7 @@ sweep=(--k 1 2 5 10 20 50 --users 4 --facts-per-user 60 --requests 12 --concurre
 # A run cut short by the device's time limit leaves its servers behind, holding the GPU: stop them first.
 pkill -9 -f "^VLLM::|python3? -m (vllm\.entrypoints|inference_node|memory_service|benchmarks\.synthetic_worker|benchmarks\.serve)( |$)" \
   2>/dev/null || true
-quiet() { grep -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
+quiet() { grep --line-buffered -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 case $stage in
   failure)
     python3 -m tests.inference_node.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
