@@ -18,7 +18,7 @@ import torch
 from benchmarks.compose_check import llama3_8b_config, random_chunks, rotary_tables
 from inference_node import compose
 
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCKS = 32, 8, 128, 16, 4096
+BLOCK_SIZE, BLOCKS = 16, 4096
 
 
 def wall_ms(run: Callable[[], object], repeats: int = 60, warm_up: int = 10) -> float:
@@ -43,9 +43,10 @@ def main() -> None:
         raise SystemExit("compose_host: needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = llama3_8b_config()
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     cos, sin = rotary_tables(config, device)
-    caches = [torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, 2 * HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
-              for _ in range(LAYERS)]
+    caches = [torch.zeros(BLOCKS, BLOCK_SIZE, kv_heads, 2 * head_dim, device=device, dtype=dtype).transpose(1, 2)
+              for _ in range(layers)]
     print(f"{'k':>4}{'tokens':>8}{'compose_into_cache ms':>24}{'index tables ms':>18}{'launch ms':>12}")
     for k in args.k:
         lengths = [args.header_tokens] + [args.tokens_per_fact] * k
@@ -59,9 +60,9 @@ def main() -> None:
         first = caches[0]
 
         def launch() -> None:
-            compose._rope_gather_kernel[(count, LAYERS)](
-                *tables[:5], cos, sin, tables[5], tables[6], 0, count, *first.stride()[:3], HEADS=KV_HEADS,
-                HALF=HEAD_DIM // 2, HEADS_POW2=KV_HEADS, HALF_POW2=HEAD_DIM // 2,
+            compose._rope_gather_kernel[(count, layers)](
+                *tables[:5], cos, sin, tables[5], tables[6], 0, count, *first.stride()[:3], HEADS=kv_heads,
+                HALF=head_dim // 2, HEADS_POW2=kv_heads, HALF_POW2=head_dim // 2,
                 OUT_DTYPE=compose._TRITON_DTYPES[dtype], BLOCK_SIZE=BLOCK_SIZE, PAGED=True)
 
         whole = wall_ms(lambda: compose.compose_into_cache(slices, 0, cos, sin, target))
