@@ -31,7 +31,7 @@ pkill -9 -f "^VLLM::|python3? -m (vllm\.entrypoints|inference_node|memory_servic
 quiet() { grep --line-buffered -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 case $stage in
   failure)
-    python3 -m tests.inference_node.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
+    python3 -m benchmarks.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
       | grep "^run=" | tee "$out/failure-path.txt" ;;
   latency)
     python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails 1 --output "$out/serve-latency" \

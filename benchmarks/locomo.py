@@ -344,7 +344,7 @@ def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversati
 
 def evaluate(args: argparse.Namespace) -> dict:
     from demo.smollm2 import build_smollm2
-    from memory_service.launcher import MemoryServiceProcess
+    from harness.memory_service import MemoryServiceProcess
     conversations = load_locomo(args.data)[: args.conversations]
     questions = {c.sample_id: stratified_subset(c.questions, args.per_category, args.seed) for c in conversations}
     variants = build_variants(args.windows, args.fp8_window, args.order_window, args.tails, args.tail_window)

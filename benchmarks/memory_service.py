@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from benchmarks.stats import percentiles_ms
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
-from memory_service.launcher import MemoryServiceProcess
+from harness.memory_service import MemoryServiceProcess
 
 
 def _ingest(stub, users: list[str], facts_per_user: int, batch: int, clients: int, desc: str) -> tuple[int, float]:

@@ -35,8 +35,8 @@ from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from inference_node.query_embedding import LocalQueryEmbedder
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
-from memory_service.launcher import MemoryServiceProcess
-from tests.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
+from harness.memory_service import MemoryServiceProcess
+from harness.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

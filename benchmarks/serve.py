@@ -56,8 +56,8 @@ from benchmarks.locomo_data import load_locomo
 from benchmarks.stats import percentiles_ms
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
-from inference_node.launcher import InferenceNodeProcess
-from memory_service.launcher import MemoryServiceProcess
+from harness.inference_node import InferenceNodeProcess
+from harness.memory_service import MemoryServiceProcess
 from precompute_worker.progress import wait_for_kv
 
 # contender -> the request's memory field beside user_id and top_k

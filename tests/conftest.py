@@ -11,8 +11,8 @@ import pytest
 
 from inferscale.v1 import memory_pb2_grpc
 from demo.smollm2 import build_smollm2
-from memory_service.launcher import MemoryServiceProcess
-from tests.tiny_llama import build_tiny_llama
+from harness.memory_service import MemoryServiceProcess
+from harness.tiny_llama import build_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ def scenario(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory) -
     metrics = f"http://127.0.0.1:{node_memory_service.metrics_port}/metrics"
     work_dir = tmp_path_factory.mktemp("engine")
     result = subprocess.run(
-        [sys.executable, "-m", "tests.inference_node.engine_scenario", "service", node_memory_service.address,
+        [sys.executable, "-m", "harness.engine_scenario", "service", node_memory_service.address,
          str(tiny_llama_dir), metrics, USER], capture_output=True, text=True, timeout=900, cwd=".",
         env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(work_dir),
              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

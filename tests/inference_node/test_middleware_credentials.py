@@ -17,7 +17,7 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE_TOKEN_ENV
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
-from memory_service.launcher import MemoryServiceProcess
+from harness.memory_service import MemoryServiceProcess
 from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _write
 
 

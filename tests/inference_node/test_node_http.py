@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference_node.launcher import InferenceNodeProcess
+from harness.inference_node import InferenceNodeProcess
 from inference_node.memory_prompt import plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
-from memory_service.launcher import MemoryServiceProcess
+from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 from tests.inference_node.conftest import (
     NODE_FLAGS,

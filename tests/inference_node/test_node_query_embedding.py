@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from inference_node.launcher import InferenceNodeProcess
+from harness.inference_node import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from tests.conftest import run_worker
 from tests.inference_node.conftest import NODE_FLAGS, complete

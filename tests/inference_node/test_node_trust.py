@@ -17,12 +17,12 @@ import urllib.request
 import pytest
 from transformers import AutoTokenizer
 
-from inference_node.launcher import InferenceNodeProcess
+from harness.inference_node import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import MEMORY_INSTRUCTION, fact_token_ids, memory_header_ids, memory_header_text
 from tests.conftest import run_worker
 from tests.inference_node.conftest import NODE_FLAGS, complete, random_kv, tiny_profile, upload_custom_kv
-from tests.tiny_llama import build_tiny_llama
+from harness.tiny_llama import build_tiny_llama
 
 QUESTION = "def answer(question):"
 VICTIM_FACT = "Alice keeps bees on the roof of her house."

@@ -18,7 +18,7 @@ from inferscale_kv.call_credentials import WORKER_TOKEN_ENV
 from memory_service.access import AccessControl, token_digest
 from memory_service.config import ConfigError
 from memory_service.errors import PermissionDenied, Unauthenticated
-from memory_service.launcher import MemoryServiceProcess
+from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 
 TOKENS = {"acme-app": "acme-secret", "globex-app": "globex-secret", "nodes": "node-secret",

@@ -7,7 +7,7 @@ import threading
 
 from memory_service.coordination import CoordinationStore
 from memory_service.sql import PostgresDatabase
-from tests.servers import postgres_server
+from harness.servers import postgres_server
 
 
 def test_concurrent_enqueues_of_the_same_facts_in_opposite_orders_do_not_deadlock(tmp_path) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from memory_service.embedder import INGEST_NICE, Embedder
-from memory_service.launcher import shared_embedding_cache_dir
+from harness.memory_service import shared_embedding_cache_dir
 
 QUERIES = [f"what did I say about topic {i}?" for i in range(24)] + ["", "日本語の質問 🙂"]
 

@@ -16,7 +16,7 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.profile import kv_profile_id
-from memory_service.launcher import MemoryServiceProcess
+from harness.memory_service import MemoryServiceProcess
 
 
 def _profile(model: str) -> pb.KvProfile:

@@ -33,8 +33,8 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.config import ServiceConfig
-from memory_service.launcher import MemoryServiceProcess
-from tests.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
+from harness.memory_service import MemoryServiceProcess
+from harness.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")

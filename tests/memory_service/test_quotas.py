@@ -10,7 +10,7 @@ import pytest
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from memory_service.launcher import MemoryServiceProcess
+from harness.memory_service import MemoryServiceProcess
 
 
 @pytest.fixture(scope="module")

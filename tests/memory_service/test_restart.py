@@ -4,8 +4,8 @@ import signal
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from memory_service.launcher import MemoryServiceProcess
-from tests.servers import wait_for_compactions
+from harness.memory_service import MemoryServiceProcess
+from harness.servers import wait_for_compactions
 
 
 def _ingest_and_stop(service: MemoryServiceProcess, sig: int) -> None:

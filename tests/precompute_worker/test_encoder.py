@@ -120,7 +120,7 @@ def test_shared_conversation_encoding_equals_naive_per_fact_encoding(tiny_llama_
 @pytest.fixture(scope="module")
 def few_positions_dir(tmp_path_factory):
     """The tiny Llama with 96 positions: shorter than header + every turn of TURNS + a fact."""
-    from tests.tiny_llama import build_tiny_llama
+    from harness.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("few-positions"), max_positions=96)
 

@@ -167,7 +167,7 @@ def memory_service_replicas(root: Path, replicas: int, *flags: str, shared: bool
                             bucket: str = "inferscale") -> Iterator[Replicas]:
     """`replicas` memory services on loopback: on a real PostgreSQL and SeaweedFS when `shared`, else (one replica)
     on the embedded defaults. Replicas still running at the end are stopped."""
-    from memory_service.launcher import MemoryServiceProcess
+    from harness.memory_service import MemoryServiceProcess
 
     with contextlib.ExitStack() as stack:
         shared_flags, env, s3 = [], {}, None

@@ -1,6 +1,6 @@
 """vLLM's failure path for refused synchronous loads on the stack this runs on (made for the lent GPU):
 
-    python -m tests.inference_node.gpu_failure_path OUT_DIR [RUN ...]      # RUN: see RUNS (default: all)
+    python -m benchmarks.gpu_failure_path OUT_DIR [RUN ...]      # RUN: see RUNS (default: all)
 
 Builds the tiny fp32 Llama, then runs `engine_scenario local` once per run: a model-runner setting (vLLM's
 default, Model Runner V2, V1) and whether the node loads resident KV synchronously. Each run injects a fact's KV
@@ -28,7 +28,7 @@ def run_scenario(model_dir: Path, runner: str | None, loads: str, log_path: Path
     env = {key: value for key, value in os.environ.items() if key != "VLLM_USE_V2_MODEL_RUNNER"}
     if runner is not None:
         env["VLLM_USE_V2_MODEL_RUNNER"] = runner
-    done = subprocess.run([sys.executable, "-m", "tests.inference_node.engine_scenario", "local", str(model_dir),
+    done = subprocess.run([sys.executable, "-m", "harness.engine_scenario", "local", str(model_dir),
                            "float32", loads], capture_output=True, text=True, env=env, timeout=900)
     log_path.write_text(done.stdout + "\n" + done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -53,7 +53,7 @@ def compare(result: dict) -> dict[str, dict]:
 
 
 def main(out_dir: Path, runs: list[str]) -> None:
-    from tests.tiny_llama import build_tiny_llama
+    from harness.tiny_llama import build_tiny_llama
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_llama(out_dir / "tiny-llama")

@@ -1,8 +1,8 @@
 """Runs real vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: scheduler and worker connectors in one
 process, reachable by the test) through what the node cache can go wrong with, and prints one JSON object.
 
-    python -m tests.inference_node.engine_scenario service MEMORY_SERVICE MODEL_DIR METRICS_URL USER_ID
-    python -m tests.inference_node.engine_scenario local MODEL_DIR [DTYPE [sync|async]]  # a GPU check: no service
+    python -m harness.engine_scenario service MEMORY_SERVICE MODEL_DIR METRICS_URL USER_ID
+    python -m harness.engine_scenario local MODEL_DIR [DTYPE [sync|async]]  # a GPU check: no service
 
 Steps, each compared with the same prompt prefilled as text:
 - cold (service): the directory knows nothing, the load goes async and fetches;
