@@ -42,6 +42,12 @@ def llama3_8b_config() -> LlamaConfig:
     return LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
 
 
+def kv_dims(config: LlamaConfig) -> tuple[int, int, int]:
+    """Layers, KV heads and head dim (typed optional in LlamaConfig, always set by its constructor)."""
+    assert config.num_key_value_heads is not None and config.head_dim is not None
+    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+
 def rotary_tables(config: LlamaConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin as the connector keeps them: float32, contiguous, on `device`."""
     tables = RotaryTables.from_config(config, 8192, device)
@@ -51,9 +57,9 @@ def rotary_tables(config: LlamaConfig, device: torch.device) -> tuple[torch.Tens
 def random_chunks(config: LlamaConfig, lengths: list[int], device: torch.device,
                   dtype: torch.dtype) -> list[ChunkSlice]:
     """One whole chunk of random K/V per length, shaped as the node cache holds them."""
-    shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    return [ChunkSlice(torch.randn(shape[0], n, *shape[1:], device=device, dtype=dtype),
-                       torch.randn(shape[0], n, *shape[1:], device=device, dtype=dtype), 0, n) for n in lengths]
+    layers, kv_heads, head_dim = kv_dims(config)
+    return [ChunkSlice(torch.randn(layers, n, kv_heads, head_dim, device=device, dtype=dtype),
+                       torch.randn(layers, n, kv_heads, head_dim, device=device, dtype=dtype), 0, n) for n in lengths]
 
 
 def main() -> None:

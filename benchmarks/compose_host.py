@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from benchmarks.compose_check import llama3_8b_config, random_chunks, rotary_tables
+from transformers import LlamaConfig
+
+from benchmarks.compose_check import kv_dims, llama3_8b_config, random_chunks, rotary_tables
 from inference_node import compose
 
 BLOCK_SIZE, BLOCKS = 16, 4096
@@ -33,6 +35,30 @@ def wall_ms(run: Callable[[], object], repeats: int = 60, warm_up: int = 10) -> 
     return statistics.median(times[warm_up:])
 
 
+def time_load(config: LlamaConfig, lengths: list[int], caches: list[torch.Tensor], cos: torch.Tensor,
+              sin: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[float, float, float]:
+    """Wall ms of one load of chunks of `lengths` tokens: compose_into_cache, its index tables, the kernel launch."""
+    layers, kv_heads, head_dim = kv_dims(config)
+    slices = random_chunks(config, lengths, device, dtype)
+    count = sum(lengths)
+    target = compose.PagedCaches(caches, tuple(torch.randperm(BLOCKS)[: -(-count // BLOCK_SIZE)].tolist()),
+                                 BLOCK_SIZE)
+    pointers = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64)
+    block_ids = torch.tensor(target.block_ids, dtype=torch.int64)
+    tables = compose._index_tables(slices, device, pointers, block_ids)
+    first = caches[0]
+
+    def launch() -> None:
+        compose._rope_gather_kernel[(count, layers)](
+            *tables[:5], cos, sin, tables[5], tables[6], 0, count, *first.stride()[:3], HEADS=kv_heads,
+            HALF=head_dim // 2, HEADS_POW2=kv_heads, HALF_POW2=head_dim // 2,
+            OUT_DTYPE=compose._TRITON_DTYPES[dtype], BLOCK_SIZE=BLOCK_SIZE, PAGED=True)
+
+    whole = wall_ms(lambda: compose.compose_into_cache(slices, 0, cos, sin, target))
+    building = wall_ms(lambda: compose._index_tables(slices, device, pointers, block_ids))
+    return whole, building, wall_ms(launch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[1, 10, 50])
@@ -43,31 +69,15 @@ def main() -> None:
         raise SystemExit("compose_host: needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = llama3_8b_config()
-    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    layers, kv_heads, head_dim = kv_dims(config)
     cos, sin = rotary_tables(config, device)
     caches = [torch.zeros(BLOCKS, BLOCK_SIZE, kv_heads, 2 * head_dim, device=device, dtype=dtype).transpose(1, 2)
               for _ in range(layers)]
     print(f"{'k':>4}{'tokens':>8}{'compose_into_cache ms':>24}{'index tables ms':>18}{'launch ms':>12}")
     for k in args.k:
         lengths = [args.header_tokens] + [args.tokens_per_fact] * k
-        slices = random_chunks(config, lengths, device, dtype)
-        count = sum(lengths)
-        target = compose.PagedCaches(caches, tuple(torch.randperm(BLOCKS)[: -(-count // BLOCK_SIZE)].tolist()),
-                                     BLOCK_SIZE)
-        pointers = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64)
-        block_ids = torch.tensor(target.block_ids, dtype=torch.int64)
-        tables = compose._index_tables(slices, device, pointers, block_ids)
-        first = caches[0]
-
-        def launch() -> None:
-            compose._rope_gather_kernel[(count, layers)](
-                *tables[:5], cos, sin, tables[5], tables[6], 0, count, *first.stride()[:3], HEADS=kv_heads,
-                HALF=head_dim // 2, HEADS_POW2=kv_heads, HALF_POW2=head_dim // 2,
-                OUT_DTYPE=compose._TRITON_DTYPES[dtype], BLOCK_SIZE=BLOCK_SIZE, PAGED=True)
-
-        whole = wall_ms(lambda: compose.compose_into_cache(slices, 0, cos, sin, target))
-        building = wall_ms(lambda: compose._index_tables(slices, device, pointers, block_ids))
-        print(f"{k:>4}{count:>8}{whole:>24.3f}{building:>18.3f}{wall_ms(launch):>12.3f}")
+        whole, building, launch = time_load(config, lengths, caches, cos, sin, device, dtype)
+        print(f"{k:>4}{sum(lengths):>8}{whole:>24.3f}{building:>18.3f}{launch:>12.3f}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
-LLAMA3_8B = {
+# config.json contents: values of JSON's types, read by transformers and vLLM.
+LLAMA3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
     "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -21,7 +23,7 @@ LLAMA3_8B = {
     "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
 # A small Llama for checking a speed-run setup on the CPU before spending GPU time on it.
-LLAMA_TINY = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+LLAMA_TINY: dict[str, Any] = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama-tiny": LLAMA_TINY}
 PLACEHOLDER_WEIGHTS = "dummy-weights.safetensors"

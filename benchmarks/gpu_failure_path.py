@@ -45,8 +45,10 @@ def compare(result: dict) -> dict[str, dict]:
         got = result.get(step)
         if got is None:
             continue
+        # An output that differs may stop at another length: logprobs are compared over the common prefix.
+        logprob_pairs = zip(got["logprobs"], text["logprobs"], strict=False)
         rows[step] = {"equal_tokens": got["tokens"] == text["tokens"],
-                      "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(got["logprobs"], text["logprobs"])),
+                      "max_abs_logprob_diff": max(abs(a - b) for a, b in logprob_pairs),
                       "external_tokens": got["external_tokens"], "loads_refused": got["loads_refused"],
                       "fetch_attempts": got["fetch_attempts"]}
     return rows

@@ -26,6 +26,7 @@ its data there too. Writes report.md, results.json and PNGs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -39,8 +40,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from tqdm import tqdm
 
 from benchmarks.locomo_data import (
@@ -50,6 +49,8 @@ from benchmarks.locomo_data import (
     LocomoQuestion,
     load_locomo,
 )
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
 
 ANSWER_INSTRUCTION = "Answer the question in a few words, using the facts you remember."
 RECALL_AT = (5, 10, 20, 50)
@@ -230,7 +231,9 @@ class Evaluator:
             generated.append(next_id)
             next_id = int(self._forward([next_id], position, past)[-1].argmax())
             position += 1
-        return nll, self.tokenizer.decode(generated, skip_special_tokens=True).strip()
+        greedy = self.tokenizer.decode(generated, skip_special_tokens=True)
+        assert isinstance(greedy, str)  # one sequence decodes to one string
+        return nll, greedy.strip()
 
     def _forward(self, token_ids: list[int], start: int, past) -> torch.Tensor:
         """Logits [len(token_ids), vocab] of tokens at positions start, start + 1, ... behind `past` (extended)."""
@@ -289,10 +292,8 @@ def precompute(stub, address: str, model_dir: Path, variant: Variant, total: int
             with tqdm(total=total, initial=done, desc=f"fact KV, {window_name(variant.context_window)} "
                                                        f"{variant.kv_dtype}", unit="fact") as progress:
                 while worker.poll() is None:
-                    try:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         worker.wait(timeout=1.0)
-                    except subprocess.TimeoutExpired:
-                        pass
                     now = _done(stub, profile.profile_id)
                     progress.update(now - progress.n)
             if worker.returncode:
@@ -461,7 +462,8 @@ def plot(result: dict, output: Path) -> list[str]:
     gaps = [summary[n]["overall"]["gap"] for n in names]
     bounds = [summary[n]["overall"]["gap_ci"] for n in names]
     axis.bar(names, gaps, color="tab:blue",
-             yerr=[[g - lo for g, (lo, _) in zip(gaps, bounds)], [hi - g for g, (_, hi) in zip(gaps, bounds)]],
+             yerr=[[g - lo for g, (lo, _) in zip(gaps, bounds, strict=True)],
+                   [hi - g for g, (_, hi) in zip(gaps, bounds, strict=True)]],
              capsize=3)
     axis.axhline(0, color="black", linewidth=0.8)
     axis.set_ylabel("kv - text NLL (nats/token), 95% CI")

@@ -19,13 +19,13 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from tqdm import tqdm
 
 from benchmarks.stats import percentiles_ms
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from harness.memory_service import MemoryServiceProcess
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
 
 
 def _ingest(stub, users: list[str], facts_per_user: int, batch: int, clients: int, desc: str) -> tuple[int, float]:

@@ -27,16 +27,16 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from tqdm import tqdm
 
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
-from inference_node.query_embedding import LocalQueryEmbedder
-from inferscale_kv.call_credentials import REPLICA_OPTIONS
-from inferscale_kv.profile import kv_profile_id
 from harness.memory_service import MemoryServiceProcess
 from harness.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
+from inference_node.query_embedding import LocalQueryEmbedder
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.call_credentials import REPLICA_OPTIONS
+from inferscale_kv.profile import kv_profile_id
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

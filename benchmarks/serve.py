@@ -47,8 +47,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from tqdm import tqdm
 
 from benchmarks.dummy_model import SHAPES, build_dummy_model
@@ -58,6 +56,8 @@ from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
 from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
 from precompute_worker.progress import wait_for_kv
 
 # contender -> the request's memory field beside user_id and top_k
@@ -140,7 +140,7 @@ class Workload:
         """`count` (user, question) pairs, users round-robin, each user's questions in a shuffled order without
         repeats until they run out (a repeat would find its whole prompt in vLLM's prefix cache)."""
         users = users or self.users
-        queues = {user: [] for user in users}
+        queues: dict[str, list[str]] = {user: [] for user in users}
         jobs = []
         for user in itertools.islice(itertools.cycle(users), count):
             if not queues[user]:
@@ -358,7 +358,10 @@ def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: st
                   max_tokens: int, base_url: str) -> dict:
     """One contender at one load: "c<N>" = closed loop with N in flight, "r<R>" = open loop at R requests/s."""
     before = node_counters(base_url)
-    ask = lambda job: one_request(client, model, job[0], job[1], memory, k, max_tokens, contender)
+
+    def ask(job: tuple[str, str]) -> Sample:
+        return one_request(client, model, job[0], job[1], memory, k, max_tokens, contender)
+
     started = time.perf_counter()
     if load.startswith("c"):
         with ThreadPoolExecutor(max_workers=int(load[1:])) as pool:

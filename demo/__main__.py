@@ -19,10 +19,10 @@ from pathlib import Path
 from demo.conversation import load_conversation
 from demo.smollm2 import build_smollm2
 from harness.inference_node import InferenceNodeProcess
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
-from harness.memory_service import MemoryServiceProcess
 from precompute_worker.progress import wait_for_kv
 
 

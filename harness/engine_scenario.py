@@ -26,6 +26,8 @@ import secrets
 import sys
 import urllib.request
 from pathlib import Path
+from typing import cast
+from unittest import mock
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("INFERSCALE_NODE_PLAN_SECRET", secrets.token_hex(32))
@@ -78,11 +80,14 @@ def encoded_here(model_dir: str, tokenizer, profile, user_id: str, device: str):
 def main(mode: str, args: list[str]) -> None:
     import torch
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
+    from vllm.config.model import ModelDType
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.engine.core_client import InprocClient
 
     from inference_node.__main__ import kv_transfer_config
+    from inference_node.connector import InferScaleConnector
     from inference_node.memory_prompt import plan_memory
     from inference_node.node_cache import CachedKv
     from inference_node.plan import PlanSigner, plan_secret_from_env, provable_prefix
@@ -93,10 +98,10 @@ def main(mode: str, args: list[str]) -> None:
 
     if mode == "service":
         memory_service, model_dir, metrics_url, user_id = args[:4]
-        dtype = "float32"
+        dtype: ModelDType = "float32"
     else:
         memory_service, metrics_url, user_id = UNREACHABLE, "", "gpu-user"
-        model_dir, dtype = args[0], (args[1] if len(args) > 1 else "float32")
+        model_dir, dtype = args[0], cast(ModelDType, args[1] if len(args) > 1 else "float32")  # vLLM checks it
     synchronous_loads = (args[2] if mode == "local" and len(args) > 2 else "sync") == "sync"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     profile = build_model_profile(Path(model_dir), tokenizer, "float32", DEFAULT_CONTEXT_WINDOW)
@@ -110,61 +115,57 @@ def main(mode: str, args: list[str]) -> None:
                             profile=profile.as_dict(), fetch_timeout_s=5.0, synchronous_loads=synchronous_loads)
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=1024, seed=0, enable_prefix_caching=False,
               gpu_memory_utilization=0.3, kv_transfer_config=KVTransferConfig(**kv_transfer_config(settings)))
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
-    worker = get_kv_transfer_group()._worker
+    engine = llm.llm_engine.engine_core
+    assert isinstance(engine, InprocClient)  # VLLM_ENABLE_V1_MULTIPROCESSING=0
+    scheduler_side, worker_side = engine.engine_core.scheduler.get_kv_connector(), get_kv_transfer_group()
+    assert isinstance(scheduler_side, InferScaleConnector) and isinstance(worker_side, InferScaleConnector)
+    scheduler, worker = scheduler_side._scheduler, worker_side._worker
+    assert scheduler is not None and worker is not None
 
     header_ids = memory_header_ids(tokenizer)
     plan = plan_memory(facts, header_ids, header_content_id, profile.profile_id, user_id)
     prompt_ids = list(tokenizer.encode(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                                        add_special_tokens=False))
     signer = PlanSigner(plan_secret_from_env())
-    sampling = dict(max_tokens=8, temperature=0, logprobs=1)
-    fetch_attempts = [0]
-    fetch = worker._stager._fetch
+    # Spies for the rest of the run: they count the worker's fetch attempts and refused loads, and pass through.
+    fetches = mock.patch.object(worker._stager, "_fetch", wraps=worker._stager._fetch).start()
+    refusals = mock.patch.object(worker, "_fail", wraps=worker._fail).start()
 
-    def counted_fetch(*fetch_args, **fetch_kwargs):
-        fetch_attempts[0] += 1
-        return fetch(*fetch_args, **fetch_kwargs)
-
-    worker._stager._fetch = counted_fetch
-    refusals = [0]
-    fail = worker._fail
-
-    def counted_fail(*fail_args, **fail_kwargs):
-        refusals[0] += 1
-        return fail(*fail_args, **fail_kwargs)
-
-    worker._fail = counted_fail
-
-    def generate(with_plan: bool) -> dict:
+    def generate(with_plan: bool) -> dict[str, object]:
         extra = {"kv_transfer_params": signer.kv_transfer_params(plan.plan)} if with_plan else None
-        prompt = {"prompt_token_ids": prompt_ids}
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if with_plan:
             prompt["cache_salt"] = signer.cache_salt(plan.plan)
-        (output,) = llm.generate([prompt], SamplingParams(**sampling, extra_args=extra), use_tqdm=False)
+        sampling = SamplingParams(max_tokens=8, temperature=0, logprobs=1, extra_args=extra)
+        (output,) = llm.generate([prompt], sampling, use_tqdm=False)
         completion = output.outputs[0]
+        assert completion.logprobs is not None  # requested: one entry per generated token
+        # vLLM types FlatLogprobs' entries optional, though a generated token's entry is always there.
         return {"tokens": list(completion.token_ids),
-                "logprobs": [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)],
+                "logprobs": [entry[token].logprob  # type: ignore[index]
+                             for entry, token in zip(completion.logprobs, completion.token_ids, strict=True)],
                 "external_tokens": output.num_cached_tokens or 0}
 
     _, chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id)
     chunk_keys = [chunk.key for chunk in chunks]
-    result = {"mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),
-              "synchronous_loads": synchronous_loads,
-              "model_runner_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""), "text": generate(False)}
+    result: dict[str, object] = {
+        "mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),
+        "synchronous_loads": synchronous_loads, "model_runner_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""),
+        "text": generate(False)}
 
     def resident() -> list[bool]:
         return [scheduler._directory.is_resident(key) for key in chunk_keys]
 
     def step(name: str) -> None:
-        attempts, before = fetch_attempts[0], service_fetch_calls(metrics_url) if metrics_url else 0.0
-        refused = refusals[0]
-        result[name] = generate(True)
-        result[name]["fetch_attempts"] = fetch_attempts[0] - attempts
+        attempts, before = fetches.call_count, service_fetch_calls(metrics_url) if metrics_url else 0.0
+        refused = refusals.call_count
+        outcome = generate(True)
+        outcome["fetch_attempts"] = fetches.call_count - attempts
         if metrics_url:
-            result[name]["fetches"] = service_fetch_calls(metrics_url) - before
-        result[name]["loads_refused"] = refusals[0] - refused
-        result[name]["resident_after"] = resident()
+            outcome["fetches"] = service_fetch_calls(metrics_url) - before
+        outcome["loads_refused"] = refusals.call_count - refused
+        outcome["resident_after"] = resident()
+        result[name] = outcome
 
     def make_resident() -> None:
         """Local mode: the encoded KV in the worker's cache and the directory, as a finished fetch leaves them."""
@@ -190,6 +191,7 @@ def main(mode: str, args: list[str]) -> None:
         make_resident()  # as after a fetch
     fact = chunks[-1]
     entry = worker._cache.get(fact.key, fact.token_ids)
+    assert entry is not None  # resident: encoded here or fetched
     worker._cache.remove([fact.key])
     worker._cache.put(fact.key, CachedKv(entry.keys[:, :-3].contiguous(), entry.values[:, :-3].contiguous(),
                                          tuple(fact.token_ids[:-3])))

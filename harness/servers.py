@@ -134,7 +134,7 @@ def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
             try:
                 endpoint.client().list_buckets()
                 break
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:  # not up yet
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"weed did not start: {(root / 'weed.log').read_text()[-2000:]}") from None
                 time.sleep(0.5)

@@ -31,7 +31,7 @@ def _nvml():
 
                 pynvml.nvmlInit()
                 _nvml_ready = True
-            except Exception:  # noqa: BLE001 - no library, no driver, no device: no telemetry
+            except Exception:  # no library, no driver, no device: no telemetry
                 _nvml_ready = False
     if not _nvml_ready:
         return None
@@ -57,5 +57,5 @@ def read_device(index: int | None = None) -> DeviceReading | None:
         name = nvml.nvmlDeviceGetName(handle)
         return DeviceReading(name.decode() if isinstance(name, bytes) else str(name), int(memory.total),
                              int(memory.used), int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-    except Exception:  # noqa: BLE001 - a device NVML cannot read is reported as no reading
+    except Exception:  # a device NVML cannot read is reported as no reading
         return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from inferscale_kv.layout import fact_token_ids, turn_token_ids
@@ -61,7 +61,7 @@ class GroupBuilder:
         return anchor if anchor < source else start
 
     def _windows(
-        self, jobs: Sequence[FactJob], turns_by_user: dict[str, Sequence[ConversationTurn]],
+        self, jobs: Sequence[FactJob], turns_by_user: Mapping[str, Sequence[ConversationTurn]],
         turn_ids: dict[str, list[list[int]]],
     ) -> list[tuple[FactJob, list[int], int, int]]:
         """Per job: (job, fact token ids, window start, source index) with the turns indexed per user."""
@@ -81,7 +81,8 @@ class GroupBuilder:
             windows.append((job, token_ids, start, source))
         return windows
 
-    def naive(self, jobs: Sequence[FactJob], turns_by_user: dict[str, Sequence[ConversationTurn]]) -> list[EncodingGroup]:
+    def naive(self, jobs: Sequence[FactJob],
+              turns_by_user: Mapping[str, Sequence[ConversationTurn]]) -> list[EncodingGroup]:
         """One group per fact: header + its window + the fact, as a plain forward would see it."""
         turn_ids = {user: self._turn_ids(turns) for user, turns in turns_by_user.items()}
         groups = []
@@ -90,7 +91,8 @@ class GroupBuilder:
             groups.append(EncodingGroup(context, [FactSpec(job.key, token_ids, len(context))]))
         return groups
 
-    def shared(self, jobs: Sequence[FactJob], turns_by_user: dict[str, Sequence[ConversationTurn]]) -> list[EncodingGroup]:
+    def shared(self, jobs: Sequence[FactJob],
+               turns_by_user: Mapping[str, Sequence[ConversationTurn]]) -> list[EncodingGroup]:
         """One group per (user, window start): the anchor's turns once, every fact on its own prefix of them."""
         turn_ids = {user: self._turn_ids(turns) for user, turns in turns_by_user.items()}
         by_anchor: dict[tuple[str, int], list[tuple[FactJob, list[int], int]]] = defaultdict(list)

@@ -85,7 +85,7 @@ class PrecomputeWorker:
         try:
             groups = self.groups.shared(jobs, turns) if self.shared_encoding else self.groups.naive(jobs, turns)
             encoded = self.encoder.encode(groups)
-        except Exception as exc:  # noqa: BLE001 - report the batch as failed; the service re-queues it
+        except Exception as exc:  # report the batch as failed; the service re-queues it
             log.exception("encode_failed", facts=len(jobs))
             self._complete(lease.lease_id, [], [(job.key, repr(exc)) for job in jobs])
             self.stats.facts_failed += len(jobs)

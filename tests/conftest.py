@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from inferscale.v1 import memory_pb2_grpc
 from demo.smollm2 import build_smollm2
 from harness.memory_service import MemoryServiceProcess
 from harness.tiny_llama import build_tiny_llama
+from inferscale.v1 import memory_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,8 @@ from benchmarks.crossover import crossover, record
 
 def _results(points: list[tuple[int, int, float, float]]) -> dict:
     """contender -> k -> row, from (k, injected tokens, kv ms, text ms)."""
-    return {"kv": {str(k): {"mean_cached_tokens": tokens, "engine_ttft_ms": {"mean": kv}} for k, tokens, kv, _ in points},
+    return {"kv": {str(k): {"mean_cached_tokens": tokens, "engine_ttft_ms": {"mean": kv}}
+                   for k, tokens, kv, _ in points},
             "text": {str(k): {"mean_cached_tokens": 0, "engine_ttft_ms": {"mean": text}} for k, _, _, text in points}}
 
 

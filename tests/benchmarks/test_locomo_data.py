@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from benchmarks.locomo_data import evidence_ids, load_locomo, parse_session_date
 
 
 def test_session_dates_parse_as_utc() -> None:
-    assert parse_session_date("1:56 pm on 8 May, 2023") == datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
+    assert parse_session_date("1:56 pm on 8 May, 2023") == datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
 
 
 def test_evidence_ids_split_malformed_entries_and_drop_duplicates() -> None:
@@ -28,7 +28,7 @@ def test_facts_carry_their_source_turn_and_its_session_date(locomo_file) -> None
     assert [(f.text, f.source_turn_id) for f in facts] == [
         ("Bo adopted a dog in May 2023.", "D1:2"), ("Ana started pottery classes.", "D2:1"),
         ("Bo went hiking in the Alps.", "D2:2")]
-    assert facts[1].timestamp.ToDatetime(tzinfo=timezone.utc).month == 6
+    assert facts[1].timestamp.ToDatetime(tzinfo=UTC).month == 6
     assert len({f.fact_id for f in facts}) == 3
 
 

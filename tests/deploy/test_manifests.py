@@ -410,7 +410,8 @@ def test_every_pod_runs_as_non_root():
 
 def test_dockerfiles_pass_hadolint():
     assert DOCKERFILES
-    result = subprocess.run([_bin("hadolint"), *map(str, DOCKERFILES)], check=False, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([_bin("hadolint"), *map(str, DOCKERFILES)], check=False, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -6,7 +6,8 @@ from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, decode_kv_blob, enco
 
 def _header(dtype: str, tokens: int = 5) -> KvBlobHeader:
     return KvBlobHeader(profile_id="kvp-1", user_id="u", fact_id="f", version=2, storage_dtype=dtype, num_layers=3,
-                        num_tokens=tokens, num_kv_heads=2, head_dim=8, token_ids=tuple(range(tokens)), content_id="a" * 32)
+                        num_tokens=tokens, num_kv_heads=2, head_dim=8, token_ids=tuple(range(tokens)),
+                        content_id="a" * 32)
 
 
 def _tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_servic
         fetched = list(stub.FetchKv(pb.FetchKvRequest(
             profile_id=profile.profile_id, user_id=user_id,
             facts=[pb.FactRef(fact_id=f.fact_id, version=f.version, content_id=f.content_id) for f in facts])))
-        for fact, reply in zip(facts, fetched):
+        for fact, reply in zip(facts, fetched, strict=True):
             kv = decode_kv_blob(reply.blob)
             assert kv.keys.shape == (30, len(fact.token_ids), 3, 64)
             assert kv.header.user_id == user_id and kv.header.fact_id == fact.fact_id
