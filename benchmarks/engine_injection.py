@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.dummy_model import LLAMA3_8B
 
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("results/engine_injection.json"))
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-engine-"))
@@ -76,7 +77,7 @@ def main() -> None:
     header = [rng.randrange(100, vocab) for _ in range(args.header_tokens)]
     counter = iter(range(10**9))
 
-    def request(mode: str, k: int, user: int, everything: bool = False) -> tuple[dict, SamplingParams, int]:
+    def request(mode: str, k: int, user: int, everything: bool = False) -> tuple[TokensPrompt, dict[str, Any], int]:
         """One user's request: k facts of the user's pool, chosen and ordered per request as retrieval would
         (so text mode cannot reuse an earlier prompt's memory from the prefix cache, while kv mode finds each
         fact's KV in the node cache). `everything` takes the whole pool (to warm the node cache)."""
@@ -87,8 +88,8 @@ def main() -> None:
         k = len(chosen)
         query = [rng.randrange(100, vocab) for _ in range(args.query_tokens)]
         memory = [] if mode == "off" else [t for fact in facts for t in fact]
-        prompt = {"prompt_token_ids": header + memory + query}
-        extra = {}
+        prompt = TokensPrompt(prompt_token_ids=header + memory + query)
+        extra: dict[str, Any] = {}
         if mode == "kv":
             chunks = [{"fact_id": "header", "version": 1, "token_ids": header}]
             chunks += [{"fact_id": f"u{user}-f{i}", "version": 1, "token_ids": fact}
@@ -112,7 +113,7 @@ def main() -> None:
 
     results = {"model": args.shape or str(model_dir), "dtype": args.dtype, "synthetic_kv": True, "k": {}}
     for k in args.k:
-        row = {}
+        row: dict[str, Any] = {}
         warm = [request("kv", k, user, everything=True) for user in range(args.batch)]
         llm.generate([prompt for prompt, _, _ in warm],
                      [SamplingParams(max_tokens=1, extra_args=extra) for _, extra, _ in warm], use_tqdm=False)

@@ -18,6 +18,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -76,8 +77,7 @@ def main() -> None:
 
     classes = {100: [f"small-{i}" for i in range(args.small_users)],
                10_000: [f"large-{i}" for i in range(args.large_users)]}
-    results: dict[str, object] = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-                                  "top_k": args.top_k, "classes": {}}
+    rows: dict[str, dict[str, Any]] = {}  # facts per user -> figures
     with tempfile.TemporaryDirectory(prefix="inferscale-bench-") as workdir:
         service = MemoryServiceProcess(Path(workdir) / "data", Path(workdir) / "service.log").start()
         try:
@@ -90,22 +90,23 @@ def main() -> None:
                                              args.clients, f"ingest {facts_per_user}/user")
                     latencies = _search_latencies(stub, users, args.queries, args.top_k,
                                                   f"search {facts_per_user}/user")
-                    results["classes"][str(facts_per_user)] = {
+                    rows[str(facts_per_user)] = {
                         "users": len(users), "facts": count, "ingest_s": elapsed,
                         "ingest_facts_per_s": count / elapsed, "search_ms": percentiles_ms(latencies),
                     }
-                stats = stub.GetStats(pb.GetStatsRequest())
-                results["table_facts"] = stats.facts
+                table_facts = stub.GetStats(pb.GetStatsRequest()).facts
         finally:
             service.stop()
 
+    results = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "top_k": args.top_k,
+               "classes": rows, "table_facts": table_facts}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(f"\n| facts/user | users | ingest facts/s | SearchFacts p50 ms | p90 ms | p99 ms | (top_k={args.top_k}, "
-          f"{results['table_facts']} facts in table)\n|---:|---:|---:|---:|---:|---:|")
-    for facts_per_user, row in results["classes"].items():
+          f"{table_facts} facts in table)\n|---:|---:|---:|---:|---:|---:|")
+    for size, row in rows.items():
         search = row["search_ms"]
-        print(f"| {facts_per_user} | {row['users']} | {row['ingest_facts_per_s']:.0f} | {search['p50']:.1f} | "
+        print(f"| {size} | {row['users']} | {row['ingest_facts_per_s']:.0f} | {search['p50']:.1f} | "
               f"{search['p90']:.1f} | {search['p99']:.1f} |")
     print(f"\nJSON: {args.output}")
 

@@ -14,6 +14,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -23,13 +24,14 @@ from demo.smollm2 import build_smollm2
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.layout import memory_header_ids
-from precompute_worker.encoder import FactEncoder, FactKey
+from precompute_worker.encoder import EncodedFact, EncodingGroup, FactEncoder, FactKey
 from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
 
 SPEAKERS = ("Ana", "Ben")
 
 
-def synthetic_conversation(turn_count: int, fact_count: int, seed: int = 3):
+def synthetic_conversation(turn_count: int, fact_count: int,
+                           seed: int = 3) -> tuple[list[ConversationTurn], list[FactJob]]:
     rng = random.Random(seed)
     texts = synthetic_facts(turn_count, seed)
     turns = [ConversationTurn(f"T{i}", SPEAKERS[i % 2], f"Guess what, {text[0].lower()}{text[1:]}")
@@ -40,7 +42,7 @@ def synthetic_conversation(turn_count: int, fact_count: int, seed: int = 3):
     return turns, jobs
 
 
-def locomo_conversation(path: Path, fact_count: int):
+def locomo_conversation(path: Path, fact_count: int) -> tuple[list[ConversationTurn], list[FactJob]]:
     sample = json.loads(path.read_text())[0]
     conversation = sample["conversation"]
     turns: list[ConversationTurn] = []
@@ -48,7 +50,7 @@ def locomo_conversation(path: Path, fact_count: int):
                       key=lambda key: int(key[8:]))
     for session in sessions:
         turns += [ConversationTurn(t["dia_id"], t["speaker"], t["text"]) for t in conversation[session]]
-    jobs = []
+    jobs: list[FactJob] = []
     for observations in sample["observation"].values():
         for speaker_facts in observations.values():
             for text, source in speaker_facts:
@@ -57,7 +59,7 @@ def locomo_conversation(path: Path, fact_count: int):
     return turns, jobs[:fact_count]
 
 
-def _time(encoder: FactEncoder, groups) -> tuple[float, list]:
+def _time(encoder: FactEncoder, groups: list[EncodingGroup]) -> tuple[float, list[EncodedFact]]:
     started = time.perf_counter()
     encoded = encoder.encode(groups)
     return time.perf_counter() - started, encoded
@@ -95,8 +97,8 @@ def main() -> None:
                 (f"w={args.window} shared", args.window, "shared")]
     if args.all_turns:
         variants.append(("all turns shared", -1, "shared"))
-    rows = []
-    encoded_w0 = None
+    rows: list[dict[str, Any]] = []
+    encoded_w0: list[EncodedFact] = []
     for name, window, mode in variants:
         builder = GroupBuilder(tokenizer, header, window, positions, encoder.max_tokens_per_forward)
         groups = builder.shared(jobs, turns_by_user) if mode == "shared" else builder.naive(jobs, turns_by_user)
@@ -113,9 +115,9 @@ def main() -> None:
         total, squared_error, squared_norm = 0, 0.0, 0.0
         for fact in encoded_w0:
             spec = fact.spec
+            layers, fact_tokens, kv_heads, head_dim = fact.keys.shape
             header_fields = KvBlobHeader("kvp-bench", spec.key.user_id, spec.key.fact_id, 1, dtype,
-                                         *fact.keys.shape[:1], fact.keys.shape[1], *fact.keys.shape[2:],
-                                         token_ids=tuple(spec.token_ids),
+                                         layers, fact_tokens, kv_heads, head_dim, token_ids=tuple(spec.token_ids),
                                          content_id=content_id("kvp-bench", fact.context_ids, spec.token_ids))
             blob = encode_kv_blob(header_fields, fact.keys, fact.values)
             total += len(blob)

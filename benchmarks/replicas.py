@@ -80,11 +80,12 @@ def server_cpu_seconds(command: str) -> float:
 def totals(deployed: Replicas) -> dict[str, float]:
     """The replicas' CPU seconds and coordination statements so far, the store's S3 requests, and the CPU seconds
     of the database and object-store servers (0 on the embedded defaults, which have none)."""
-    shared = deployed.s3 is not None
-    return {"cpu_s": sum(cpu_seconds(s.process.pid) for s in deployed.services),
+    s3 = deployed.s3
+    shared = s3 is not None
+    return {"cpu_s": sum(cpu_seconds(s.pid) for s in deployed.services),
             "statements": sum(service_counter(s, "inferscale_coordination_statements_total")
                               for s in deployed.services),
-            "s3_requests": deployed.s3.requests_served() if shared else 0.0,
+            "s3_requests": s3.requests_served() if s3 is not None else 0.0,
             "postgres_cpu_s": server_cpu_seconds("postgres") if shared else 0.0,
             "object_store_cpu_s": server_cpu_seconds("weed") if shared else 0.0}
 
@@ -129,7 +130,9 @@ def per_call_costs(deployed: Replicas, stub, users: list[int], queries: list[str
 
 
 async def latency(deployed: Replicas, users: int, queries: list[str], callers: int, seconds: float) -> dict:
-    profile, latencies, errors = _profile(), [], []
+    profile = _profile()
+    latencies: list[float] = []
+    errors: list[str] = []  # status code names
     async with grpc.aio.insecure_channel(deployed.address, options=REPLICA_OPTIONS) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
 

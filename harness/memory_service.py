@@ -42,6 +42,12 @@ class MemoryServiceProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The started service's process id."""
+        assert self.process is not None, "not started"
+        return self.process.pid
+
     def start(self) -> MemoryServiceProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
         # Services started here share one exported embedding model instead of exporting one per data directory.

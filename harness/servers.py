@@ -18,8 +18,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferscale_kv.runtime import free_port
+
+if TYPE_CHECKING:
+    from harness.memory_service import MemoryServiceProcess
 
 POSTGRES_SYSTEM_USER = "inferscale-pg"  # initdb and postgres refuse to run as root
 S3_ACCESS_KEY = "inferscale-test"
@@ -150,7 +154,7 @@ def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
 
 @dataclass
 class Replicas:
-    services: list  # MemoryServiceProcess, started
+    services: list[MemoryServiceProcess]  # started
     s3: S3Endpoint | None  # the shared store (None: each replica on its own embedded defaults)
     bucket: str
 
@@ -179,10 +183,15 @@ def memory_service_replicas(root: Path, replicas: int, *flags: str, shared: bool
                             s3.url, "--s3-allow-http"]
             env = s3.environment()
         services = []
+
+        def stop_if_running(service: MemoryServiceProcess) -> None:
+            if service.process is not None and service.process.poll() is None:
+                service.stop()
+
         for index in range(replicas):
             service = MemoryServiceProcess(root / f"replica-{index}", root / f"replica-{index}.log", *flags,
                                            *shared_flags, env=env)
-            stack.callback(lambda s=service: s.process is not None and s.process.poll() is None and s.stop())
+            stack.callback(stop_if_running, service)
             services.append(service.start())
         try:
             yield Replicas(services, s3, bucket)

@@ -46,8 +46,8 @@ def build_tiny_llama(directory: Path, *, rope_scaling: dict | None = None, vocab
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_positions,
-        rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
-        torch_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=0, eos_token_id=1,
+        pad_token_id=2, tie_word_embeddings=False, dtype="float32",
     )
     if rope_scaling is not None:
         config.rope_scaling = rope_scaling

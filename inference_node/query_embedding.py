@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from inferscale_kv.embedding_model import embedding_model_id, resolve_model_path
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 
 class LocalQueryEmbedder:
@@ -17,22 +21,23 @@ class LocalQueryEmbedder:
     def __init__(self, model: str) -> None:
         self.model = model
         self.model_id = ""
-        self._encoder = None
+        self._encoder: SentenceTransformer | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-query-embed")
 
-    def _load(self) -> None:
-        import torch
-        from sentence_transformers import SentenceTransformer
+    def _loaded(self) -> SentenceTransformer:
+        """The model, loaded on first use."""
+        if self._encoder is None:
+            import torch
+            from sentence_transformers import SentenceTransformer
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._encoder = SentenceTransformer(str(resolve_model_path(self.model)), device=device)
-        self.model_id = embedding_model_id(self.model)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._encoder = SentenceTransformer(str(resolve_model_path(self.model)), device=device)
+            self.model_id = embedding_model_id(self.model)
+        return self._encoder
 
     def _embed(self, text: str) -> list[float]:
-        if self._encoder is None:
-            self._load()
-        return self._encoder.encode([text], normalize_embeddings=True, convert_to_numpy=True,
-                                    show_progress_bar=False)[0].tolist()
+        return self._loaded().encode([text], normalize_embeddings=True, convert_to_numpy=True,
+                                     show_progress_bar=False)[0].tolist()
 
     async def embed(self, text: str) -> tuple[list[float], str]:
         """(the query's unit embedding, the model's id)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -84,13 +85,14 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(client_call_details), request)
 
 
-def memory_service_channel(address: str, role: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
+def memory_service_channel(address: str, role: str,
+                           options: Sequence[tuple[str, str | int]] | None = None) -> grpc.Channel:
     """A (synchronous) channel to the memory service's replicas with the role's TLS settings, whose every call
     carries the role's token, if set."""
     credentials = channel_credentials(role)
-    options = [*REPLICA_OPTIONS, *(options or [])]
-    channel = (grpc.secure_channel(address, credentials, options=options) if credentials
-               else grpc.insecure_channel(address, options=options))
+    channel_options = [*REPLICA_OPTIONS, *(options or [])]
+    channel = (grpc.secure_channel(address, credentials, options=channel_options) if credentials
+               else grpc.insecure_channel(address, options=channel_options))
     metadata = bearer_metadata(role)
     return grpc.intercept_channel(channel, _BearerToken(metadata)) if metadata else channel
 

@@ -18,16 +18,37 @@ RECIPE_VERSION = 1
 
 
 class KvProfileLike(Protocol):
-    profile_id: str
-    model: str
-    model_hash: str
-    kv_dtype: str
-    tokenizer_hash: str
-    header_hash: str
-    recipe: str
-    recipe_version: int
-    context_window: int
-    max_context_tokens: int
+    """A profile's fields, read only: the protobuf KvProfile and ModelProfile both carry them."""
+
+    @property
+    def profile_id(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def model_hash(self) -> str: ...
+
+    @property
+    def kv_dtype(self) -> str: ...
+
+    @property
+    def tokenizer_hash(self) -> str: ...
+
+    @property
+    def header_hash(self) -> str: ...
+
+    @property
+    def recipe(self) -> str: ...
+
+    @property
+    def recipe_version(self) -> int: ...
+
+    @property
+    def context_window(self) -> int: ...
+
+    @property
+    def max_context_tokens(self) -> int: ...
 
 
 # Every field that changes a fact's KV bytes, in the order the profile id hashes them.

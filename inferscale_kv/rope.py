@@ -50,23 +50,23 @@ class RotaryTables:
     @classmethod
     def from_model(cls, model: torch.nn.Module, max_positions: int, device: torch.device | str = "cpu") -> RotaryTables:
         """Evaluates the model's own rotary module (`model.model.rotary_emb`) at every position."""
-        rotary = model.model.rotary_emb
-        positions = torch.arange(max_positions, device=device)[None]
-        probe = torch.zeros(1, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            cos, sin = rotary(probe, positions)
-        return cls(cos[0].float(), sin[0].float())
+        return cls.from_rotary(model.get_submodule("model.rotary_emb"), max_positions, device)
 
     @classmethod
     def from_config(cls, config, max_positions: int, device: torch.device | str = "cpu") -> RotaryTables:
         """Builds the model's rotary module from its HF config alone (no weights needed)."""
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        rotary = LlamaRotaryEmbedding(config=config).to(device)
-        holder = torch.nn.Module()
-        holder.model = torch.nn.Module()
-        holder.model.rotary_emb = rotary
-        return cls.from_model(holder, max_positions, device)
+        return cls.from_rotary(LlamaRotaryEmbedding(config=config).to(device), max_positions, device)
+
+    @classmethod
+    def from_rotary(cls, rotary: torch.nn.Module, max_positions: int, device: torch.device | str) -> RotaryTables:
+        """Evaluates a transformers rotary embedding module at every position."""
+        positions = torch.arange(max_positions, device=device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            cos, sin = rotary(probe, positions)
+        return cls(cos[0].float(), sin[0].float())
 
     def to(self, device: torch.device | str) -> RotaryTables:
         return RotaryTables(self.cos.to(device), self.sin.to(device))

@@ -12,11 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from inferscale_kv.rope import check_rotary_supported
 from inferscale_kv.shape import KvShape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,14 +65,16 @@ class _KvCapture:
     def __init__(self, model: torch.nn.Module) -> None:
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
-        self._handles = []
-        for index, layer in enumerate(model.model.layers):
-            attention = layer.self_attn
-            key_module = attention.k_norm if hasattr(attention, "k_norm") else attention.k_proj
+        self._handles: list[RemovableHandle] = []
+        layers = list(model.get_submodule("model.layers").children())
+        for index, layer in enumerate(layers):
+            attention = layer.get_submodule("self_attn")
+            key_module = attention.get_submodule("k_norm" if hasattr(attention, "k_norm") else "k_proj")
             self._handles.append(key_module.register_forward_hook(self._recorder(self.keys, index)))
-            self._handles.append(attention.v_proj.register_forward_hook(self._recorder(self.values, index)))
-        self.keys.extend([None] * len(model.model.layers))
-        self.values.extend([None] * len(model.model.layers))
+            value_module = attention.get_submodule("v_proj")
+            self._handles.append(value_module.register_forward_hook(self._recorder(self.values, index)))
+        self.keys.extend([None] * len(layers))
+        self.values.extend([None] * len(layers))
 
     @staticmethod
     def _recorder(store: list, index: int):
@@ -80,11 +87,21 @@ class _KvCapture:
         for handle in self._handles:
             handle.remove()
 
+    @staticmethod
+    def stacked(recorded: list[torch.Tensor | None], shape: tuple[int, int, int]) -> torch.Tensor:
+        """One forward's per-layer records, each reshaped to `shape`, stacked: [layers, *shape]."""
+        tensors = []
+        for index, tensor in enumerate(recorded):
+            if tensor is None:
+                raise RuntimeError(f"layer {index}: the forward pass recorded no keys or values")
+            tensors.append(tensor.reshape(shape))
+        return torch.stack(tensors)
+
 
 class FactEncoder:
     """Encodes groups of facts with a causal LM of the Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM2)."""
 
-    def __init__(self, model: torch.nn.Module, max_tokens_per_forward: int = 2048) -> None:
+    def __init__(self, model: PreTrainedModel, max_tokens_per_forward: int = 2048) -> None:
         self.model = model.eval()
         self.config = model.config
         shape = KvShape.from_config(self.config)
@@ -101,7 +118,8 @@ class FactEncoder:
 
         check_rotary_supported(AutoConfig.from_pretrained(model_dir))  # before loading weights
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa")
-        return cls(model.to(device), max_tokens_per_forward)
+        # transformers types PreTrainedModel.to through a decorator that loses its signature.
+        return cls(model.to(device), max_tokens_per_forward)  # type: ignore[arg-type]
 
     def encode(self, groups: Sequence[EncodingGroup]) -> list[EncodedFact]:
         """Encodes every fact of every group; forwards hold up to max_tokens_per_forward tokens."""
@@ -163,8 +181,8 @@ class FactEncoder:
         finally:
             capture.close()
         shape = (length, self.num_kv_heads, self.head_dim)
-        keys = torch.stack([k.reshape(shape) for k in capture.keys])  # [L, S, H, D]
-        values = torch.stack([v.reshape(shape) for v in capture.values])
+        keys = capture.stacked(capture.keys, shape)  # [L, S, H, D]
+        values = capture.stacked(capture.values, shape)
         return [
             EncodedFact(
                 spec=fact,
