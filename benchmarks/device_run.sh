@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs (lent device, vLLM 0.26.0), after the carry parts are unpacked (../shared/device/README.md):
+# The GPU runs (lent device, its own vLLM), after the carry parts are unpacked (../shared/device/README.md):
 #   bash benchmarks/device_run.sh OUT_DIR failure      # refused loads recompute to the text answer (per runner)
 #   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1: kv (always injects), text,
 #     text-stable, off, kv-tail1, the node embedding queries on the GPU (--embed-queries-locally); the kv crossover is
@@ -11,7 +11,7 @@
 #   bash benchmarks/device_run.sh OUT_DIR throughput   # 128 users with their own memories, 128 in flight, k=50
 #   bash benchmarks/device_run.sh OUT_DIR cold         # more users' KV than the node cache holds, 16 in flight
 # Needs, carried beside the tree: build/generated (the gRPC modules) and .gpu/smollm2 (tokenizer files).
-# Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); ~34 tokens per fact.
+# Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
 # The kv contender always injects, so the sweep measures where injection starts to win; kv-auto follows the node's policy.
 set -euo pipefail
 out=${1:?usage: device_run.sh OUT_DIR failure|latency|connector|policy|throughput|cold}

@@ -6,7 +6,7 @@ Builds the tiny fp32 Llama, then runs `engine_scenario local` once per run: a mo
 default, Model Runner V2, V1) and whether the node loads resident KV synchronously. Each run injects a fact's KV
 (warm), then makes its load fail (the worker lost the chunks: lost; a shorter stale entry: stale; cold chunks and
 no memory service: fetch_fails); with kv_load_failure_policy="recompute" every output must equal the same prompt
-prefilled as text (upstream vLLM issue 49250: wrong output when a synchronous load is rejected). Writes
+prefilled as text (why it is checked: benchmarks/RESULTS.md, "Refused loads on the GPU"). Writes
 OUT_DIR/failure_path.json and prints one line per (run, step).
 """
 

@@ -18,7 +18,7 @@ Workloads, each on its own memory service, worker and node (--workloads):
 - synthetic: --users users x --facts-per-user synthetic facts, k from --k (or LoCoMo observations with --locomo);
 - varying: k of 10, 20, 50 out of --varying-facts facts per user, so consecutive requests share only part of their
   facts (LoCoMo: every observation of a conversation);
-- long: ~7,000 memory tokens per request (k=50 facts of --long-clauses clauses);
+- long: k=50 facts of --long-clauses clauses each, thousands of memory tokens per request;
 - cold: --cold-users users' KV against a node cache that holds about two users' facts, so kv loads miss and take
   the async path; kv-warm asks the same of two users whose KV the node cache holds: the difference is a miss's cost.
 Per (workload, load, k, contender): query-to-first-token (client clock: retrieval + staging + compose + engine),

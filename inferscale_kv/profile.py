@@ -8,9 +8,9 @@ from typing import Protocol
 
 KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
 ALL_PRECEDING_TURNS = -1
-# Context-Window Encoding's default window (turns before a fact's source turn): picked on the six LoCoMo development
-# conversations, where it was the window whose answers (F1) did not fall below text's while its gold-answer NLL stayed
-# below text's (benchmarks/RESULTS.md, "LoCoMo quality"). Workers and nodes must agree on it (it is in the profile).
+# Context-Window Encoding's default window (turns before a fact's source turn), chosen on answer quality
+# (benchmarks/RESULTS.md, "LoCoMo quality on all six development conversations"). It is in the profile: workers and
+# nodes must agree on it.
 DEFAULT_CONTEXT_WINDOW = 50
 RECIPE = "chunked-rope-cwe"
 # Bump when the encoding changes in any way that changes bytes (window rule, turn rendering, capture point).
