@@ -197,11 +197,11 @@ class OptionParser(argparse.ArgumentParser):
         current = "" if text is None else f"={text}"
         help_text = f"{option.spec.help} ({option.variable}{current}; default: {declared})".replace("%", "%%")
 
-        def value_of(text: str) -> object:
+        def value_of(given: str) -> object:
             try:
-                return option.read(text)
+                return option.read(given)
             except ValueError as exc:
-                source = f"{text.variable}: " if isinstance(text, _FromEnvironment) else ""
+                source = f"{given.variable}: " if isinstance(given, _FromEnvironment) else ""
                 raise argparse.ArgumentTypeError(f"{source}{exc}") from None
 
         if option.kind is bool:

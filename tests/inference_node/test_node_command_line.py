@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import inference_node.__main__ as node_main
 from inference_node.__main__ import NodeOptions, build_parser
 from inference_node.settings import NodeSettings
 from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_variable, flag_defaults
@@ -76,3 +77,25 @@ def test_help_lists_every_flag_with_its_variable() -> None:
     text = " ".join(result.stdout.split())
     for flag in [*PUBLISHED_FLAGS, "--node-id"]:
         assert f"{flag} " in text and f"(INFERSCALE_NODE_{flag[2:].replace('-', '_').upper()}" in text, flag
+
+
+def test_dry_run_prints_vllms_command_with_the_settings_and_starts_nothing(
+        tiny_llama_dir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: None)
+    monkeypatch.setattr(node_main.os, "execvpe", lambda *_: pytest.fail("--dry-run started vLLM"))
+    monkeypatch.setenv("INFERSCALE_NODE_NODE_CACHE_MB", "64")
+    node_main.main(["--model", str(tiny_llama_dir), "--memory-top-k", "5", "--kv-crossover-tokens", "0",
+                    "--max-model-len", "128", "--dry-run"])
+    command = capsys.readouterr().out
+    assert "vllm.entrypoints.openai.api_server" in command and "--max-model-len 128" in command
+    assert '"node_cache_mb": 64' in command and '"default_top_k": 5' in command
+
+
+def test_a_negative_recomputed_tail_is_refused_naming_the_flag(tiny_llama_dir) -> None:
+    with pytest.raises(SystemExit, match="--recompute-tail-facts must be 0 or more"):
+        node_main.plan_launch(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "-1"])
+
+
+def test_a_missing_model_folder_is_refused_naming_the_flag(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="--model: .* is not a local model folder"):
+        node_main.plan_launch(["--model", str(tmp_path / "absent")])
