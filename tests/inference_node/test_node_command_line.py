@@ -1,0 +1,101 @@
+"""`python -m inference_node`'s own flags and INFERSCALE_NODE_* variables: the published ones, with NodeSettings'
+defaults their own; every other flag goes to vLLM."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import inference_node.__main__ as node_main
+from inference_node.__main__ import NodeOptions, build_parser
+from inference_node.settings import NodeSettings
+from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_variable, flag_defaults
+
+# Every flag of the node's own and its default but --node-id's (the host name), as operators' manifests know them.
+PUBLISHED_FLAGS = {
+    "--memory-service": "127.0.0.1:50051", "--model": None, "--kv-dtype": "float32", "--context-window": 50,
+    "--model-name": None, "--node-cache-mb": 4096, "--memory-top-k": 20, "--synchronous-loads": "auto",
+    "--kv-crossover-tokens": -1, "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0, "--fetch-timeout-s": 10.0,
+    "--load-stats-path": "", "--embed-queries-locally": False, "--embedding-model": "all-MiniLM-L6-v2",
+    "--user-header": "", "--dry-run": False,
+}
+
+
+def test_the_flags_and_their_defaults_are_the_published_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = flag_defaults(build_parser, monkeypatch)
+    assert flags.pop("--node-id") == socket.gethostname()
+    assert flags == PUBLISHED_FLAGS
+
+
+def test_every_flag_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_each_flag_reads_its_variable(build_parser, monkeypatch, samples={
+        "--kv-dtype": "bfloat16", "--synchronous-loads": "off", "--node-id": "node-7"})
+
+
+def test_node_settings_take_their_defaults_from_the_flags_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
+    flag_defaults(build_parser, monkeypatch)  # clears the environment
+    parser = build_parser()
+    parsed, vllm_args = parser.parse_known_args(["--max-model-len", "64", "--dtype", "half"])
+    settings = parser.build(NodeSettings, parsed, memory_service="m", node_id="n", model_dir="d")
+    assert settings == NodeSettings(memory_service="m", node_id="n", model_dir="d")
+    assert (settings.node_cache_mb, settings.default_top_k, settings.retrieve_timeout_s, settings.fetch_timeout_s,
+            settings.recompute_tail_facts) == (4096, 20, 2.0, 10.0, 0)
+    assert vllm_args == ["--max-model-len", "64", "--dtype", "half"]
+
+
+def test_flags_and_variables_reach_the_node_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERSCALE_NODE_MEMORY_TOP_K", "7")
+    monkeypatch.setenv("INFERSCALE_NODE_EMBED_QUERIES_LOCALLY", "true")
+    parser = build_parser()
+    parsed, vllm_args = parser.parse_known_args(["--node-cache-mb", "8", "--kv-dtype", "bfloat16", "--port", "8000",
+                                                 "--user-header", "x-user"])
+    assert parser.build(NodeOptions, parsed).kv_dtype == "bfloat16"
+    settings = parser.build(NodeSettings, parsed, memory_service="m", node_id="n", model_dir="d")
+    assert (settings.default_top_k, settings.embed_queries_locally, settings.node_cache_mb, settings.user_header) == (
+        7, True, 8, "x-user")
+    assert NodeSettings.from_mapping(json.loads(settings.to_json())) == settings
+    assert vllm_args == ["--port", "8000"]
+
+
+def test_a_bad_variable_is_a_usage_error_naming_the_flag_and_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("INFERSCALE_NODE_FETCH_TIMEOUT_S", "soon")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_known_args([])
+    assert exit_info.value.code == 2
+    assert "argument --fetch-timeout-s: INFERSCALE_NODE_FETCH_TIMEOUT_S: 'soon' is not a number" in \
+        capsys.readouterr().err
+
+
+def test_help_lists_every_flag_with_its_variable() -> None:
+    result = subprocess.run([sys.executable, "-m", "inference_node", "--help"], capture_output=True, text=True,
+                            check=True)
+    text = " ".join(result.stdout.split())
+    for flag in [*PUBLISHED_FLAGS, "--node-id"]:
+        assert f"{flag} " in text and f"(INFERSCALE_NODE_{flag[2:].replace('-', '_').upper()}" in text, flag
+
+
+def test_dry_run_prints_vllms_command_with_the_settings_and_starts_nothing(
+        tiny_llama_dir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: None)
+    monkeypatch.setattr(node_main.os, "execvpe", lambda *_: pytest.fail("--dry-run started vLLM"))
+    monkeypatch.setenv("INFERSCALE_NODE_NODE_CACHE_MB", "64")
+    node_main.main(["--model", str(tiny_llama_dir), "--memory-top-k", "5", "--kv-crossover-tokens", "0",
+                    "--max-model-len", "128", "--dry-run"])
+    command = capsys.readouterr().out
+    assert "vllm.entrypoints.openai.api_server" in command and "--max-model-len 128" in command
+    assert '"node_cache_mb": 64' in command and '"default_top_k": 5' in command
+
+
+def test_a_negative_recomputed_tail_is_refused_naming_the_flag(tiny_llama_dir) -> None:
+    with pytest.raises(SystemExit, match="--recompute-tail-facts must be 0 or more"):
+        node_main.plan_launch(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "-1"])
+
+
+def test_a_missing_model_folder_is_refused_naming_the_flag(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="--model: .* is not a local model folder"):
+        node_main.plan_launch(["--model", str(tmp_path / "absent")])
