@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 from benchmarks.compose_check import llama3_8b_config, random_chunks, rotary_tables
-from inference_node import compose
+from inference_node.connector import compose
 
 BLOCK_SIZE, BLOCKS = 16, 4096
 

@@ -160,9 +160,9 @@ class Evaluator:
     def __init__(self, model_dir: Path, memory_service: str, max_new_tokens: int) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from inference_node.node_cache import NodeKvCache
+        from inference_node.connector.node_cache import NodeKvCache
         from inference_node.settings import NodeSettings
-        from inference_node.staging import KvStager
+        from inference_node.connector.staging import KvStager
         from inferscale_kv.layout import memory_header_ids
         from inferscale_kv.rope import RotaryTables
 
@@ -193,7 +193,7 @@ class Evaluator:
         """The connector's claim on this prompt and the KV it would write: (claimed tokens, DynamicCache)."""
         from transformers import DynamicCache
 
-        from inference_node.compose import ChunkSlice, compose_prefix
+        from inference_node.connector.compose import ChunkSlice, compose_prefix
         from inference_node.plan import provable_prefix
 
         end, chunks = provable_prefix(prompt_ids, plan.plan, profile_id)

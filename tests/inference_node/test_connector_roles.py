@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from inference_node.__main__ import within_gpu_memory_budget
 from inference_node.connector import check_supported
-from inference_node.connector_scheduler import InferScaleScheduler
+from inference_node.connector.scheduler import InferScaleScheduler
 from inference_node.plan import PLAN_SECRET_ENV, PlanSigner, build_plan
 from inference_node.settings import NodeSettings
 from inferscale_kv.kv_key import content_id

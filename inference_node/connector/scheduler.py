@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from inference_node.connector import InferScaleConnectorMetadata, LoadSpec
-from inference_node.connector_stats import LoadStats
-from inference_node.node_cache import NodeCacheDirectory
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector.node_cache import NodeCacheDirectory
+from inference_node.connector.stats import LoadStats
+from inference_node.connector.tensor_parallel import KvHeadShard
 from inference_node.plan import ChunkLoad, PlanSigner, plan_secret_from_env, provable_prefix
 from inference_node.settings import NodeSettings
-from inference_node.tensor_parallel import KvHeadShard
 from inferscale_kv.shape import KvShape
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_node.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard
 from inference_node.plan import ChunkLoad
 from inference_node.settings import NodeSettings
-from inference_node.tensor_parallel import UNSHARDED, KvHeadShard
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob
 from inferscale_kv.shape import KvShape
 

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from inference_node.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
-from inference_node.connector import InferScaleConnectorMetadata, LoadSpec
-from inference_node.connector_stats import LoadStats
-from inference_node.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.staging import KvStager, NotResident, StagedChunks
+from inference_node.connector.stats import LoadStats
+from inference_node.connector.tensor_parallel import current_shard
 from inference_node.settings import NodeSettings
-from inference_node.staging import KvStager, NotResident, StagedChunks
-from inference_node.tensor_parallel import current_shard
 from inferscale_kv.rope import RotaryTables
 
 if TYPE_CHECKING:
