@@ -196,7 +196,8 @@ class Evaluator:
         from inference_node.connector.compose import ChunkSlice, compose_prefix
         from inference_node.plan import provable_prefix
 
-        end, chunks = provable_prefix(prompt_ids, plan.plan, profile_id)
+        proof = provable_prefix(prompt_ids, plan.plan, profile_id)
+        end, chunks = proof.end, proof.chunks
         if not end:
             raise LookupError("the connector would claim nothing of this prompt")
         staged = self.stager.stage(user_id, chunks, torch.device("cpu"), torch.float32, None, may_fetch=True)

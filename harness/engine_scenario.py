@@ -147,7 +147,7 @@ def main(mode: str, args: list[str]) -> None:
                 "logprobs": [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)],
                 "external_tokens": output.num_cached_tokens or 0}
 
-    _, chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id)
+    chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id).chunks
     chunk_keys = [chunk.key for chunk in chunks]
     result = {"mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),
               "synchronous_loads": synchronous_loads,

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from inference_node.__main__ import within_gpu_memory_budget
 from inference_node.connector import check_supported
 from inference_node.connector.scheduler import InferScaleScheduler
-from inference_node.plan import PLAN_SECRET_ENV, PlanSigner, build_plan
+from inference_node.plan import PLAN_SECRET_ENV, LoadPlan, PlanFact, PlanHeader, PlanSigner
 from inference_node.settings import NodeSettings
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.rope import UnsupportedRotary
@@ -44,9 +44,9 @@ def scheduler(monkeypatch) -> InferScaleScheduler:
 
 def _request(request_id: str, signer: PlanSigner = PlanSigner(SECRET), salt: str | None = None, lora=None,
              sign: bool = True) -> SimpleNamespace:
-    plan = build_plan(PROFILE, "u1", content_id(PROFILE, [], HEADER), HEADER,
-                      [("f", 1, content_id(PROFILE, HEADER, FACT), FACT)])
-    params = signer.kv_transfer_params(plan) if sign else {"inferscale": {"plan": plan}}
+    plan = LoadPlan(PROFILE, "u1", PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER)),
+                    (PlanFact("f", 1, content_id(PROFILE, HEADER, FACT), tuple(FACT)),))
+    params = signer.kv_transfer_params(plan) if sign else {"inferscale": {"plan": plan.to_wire()}}
     return SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=PROMPT,
                            cache_salt=signer.cache_salt(plan) if salt is None else salt, lora_request=lora)
 
