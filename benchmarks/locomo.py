@@ -160,6 +160,7 @@ class Evaluator:
     def __init__(self, model_dir: Path, memory_service: str, max_new_tokens: int) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from inference_node.connector.kv_source import kv_source
         from inference_node.connector.node_cache import NodeKvCache
         from inference_node.settings import NodeSettings
         from inference_node.connector.staging import KvStager
@@ -173,7 +174,7 @@ class Evaluator:
         self.cos, self.sin = tables.cos, tables.sin
         settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
                                 fetch_timeout_s=120.0)
-        self.stager = KvStager(settings, NodeKvCache(), self.model.config)
+        self.stager = KvStager(NodeKvCache(), kv_source(settings, self.model.config))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 

@@ -86,7 +86,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = InferScaleScheduler(vllm_config, settings)
         else:
-            self._worker = InferScaleWorker(vllm_config, settings)
+            self._worker = InferScaleWorker.from_settings(vllm_config, settings)
 
     @property
     def _scheduler_role(self) -> InferScaleScheduler:
