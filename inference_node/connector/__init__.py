@@ -75,8 +75,7 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
 
 
 class InferScaleConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
         transfer = vllm_config.kv_transfer_config

@@ -87,7 +87,7 @@ class InferScaleWorker:
             except NotResident as exc:
                 self._stats.add("sync_misses")
                 self._fail(spec, str(exc))
-            except Exception:  # noqa: BLE001 - never into the engine: report, and vLLM recomputes
+            except Exception:  # never into the engine: report, and vLLM recomputes
                 logger.exception("InferScale: KV load failed for request %s", spec.request_id)
                 self._fail(spec, "see the traceback above")
 
@@ -108,7 +108,7 @@ class InferScaleWorker:
             compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             self._inflight[spec.request_id] = (spec, self._fetcher.submit(self._stage, spec, device, True,
                                                                           compute_stream))
-        except Exception as exc:  # noqa: BLE001 - reported as a failed load in get_finished
+        except Exception as exc:  # reported as a failed load in get_finished
             self._inflight[spec.request_id] = (spec, _failed_future(exc))
 
     def get_finished(self) -> set[str] | None:
@@ -129,7 +129,7 @@ class InferScaleWorker:
                 self._write(spec, entries, self._seen_layers())
                 if staging_ms is not None:
                     self._timer.record(spec, staging_ms, write_started, staged.misses)
-            except Exception:  # noqa: BLE001
+            except Exception:  # never into the engine: report, and vLLM recomputes
                 logger.exception("InferScale: async KV load failed for request %s", spec.request_id)
                 self._fail(spec, "see the traceback above")
         return done or None

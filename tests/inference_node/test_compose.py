@@ -61,7 +61,8 @@ def test_fused_triton_kernel_equals_the_torch_path() -> None:
 
 PAGED_CHECK = """
 import torch
-from tests.inference_node.test_compose import BLOCK_IDS, BLOCK_SIZE, LAYERS, _empty_cache, _slices, _tables, _write_slots
+from tests.inference_node.test_compose import (BLOCK_IDS, BLOCK_SIZE, LAYERS, _empty_cache, _slices, _tables,
+                                               _write_slots)
 from inference_node.connector.compose import PagedCaches, compose_into_cache
 slices, (cos, sin) = _slices(2), _tables()
 for physical in ("NHD", "HND"):

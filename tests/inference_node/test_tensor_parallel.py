@@ -8,14 +8,14 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from inference_node.connector.compose import ChunkSlice, compose_prefix
-from inference_node.connector.node_cache import NodeKvCache
-from inference_node.settings import NodeSettings
-from inference_node.plan import ChunkLoad
 from inference_node.connector.kv_source import kv_source
+from inference_node.connector.node_cache import NodeKvCache
 from inference_node.connector.staging import KvStager
-from inferscale_kv.kv_key import KvKey
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard
+from inference_node.plan import ChunkLoad
+from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.kv_key import KvKey
 from inferscale_kv.rope import RotaryTables
 from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
 
