@@ -14,8 +14,9 @@ Contract of the hooks, as InferScale implements them:
 - `get_num_new_matched_tokens` (scheduler): side-effect free apart from a per-request memo of the verified plan;
   the same answer for the same request within a step. It claims only what a *signed* plan proves against the
   prompt's own token ids (inference_node.plan), and says "async" unless every chunk is resident in the node cache
-  and synchronous loads are allowed (NodeSettings.synchronous_loads: off on CUDA, where vLLM 0.26 recomputes a
-  refused synchronous load wrongly; an async load of resident chunks is written in the same step it is sent).
+  and synchronous loads are allowed (NodeSettings.synchronous_loads: off on CUDA, where vLLM recomputes a refused
+  synchronous load wrongly, benchmarks/RESULTS.md, "Refused loads on the GPU"; an async load of resident chunks is
+  written in the same step it is sent).
 - `update_state_after_alloc` / `build_connector_meta` (scheduler): a load is sent to the workers exactly once,
   also when a preempted request resumes (then with all of its new block ids); the node-cache evictions the
   directory decided travel in the same metadata and are applied before any load of the step.
