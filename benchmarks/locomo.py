@@ -162,8 +162,8 @@ class Evaluator:
 
         from inference_node.connector.kv_source import kv_source
         from inference_node.connector.node_cache import NodeKvCache
-        from inference_node.settings import NodeSettings
         from inference_node.connector.staging import KvStager
+        from inference_node.settings import NodeSettings
         from inferscale_kv.layout import memory_header_ids
         from inferscale_kv.rope import RotaryTables
 

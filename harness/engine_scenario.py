@@ -83,8 +83,8 @@ def main(mode: str, args: list[str]) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from inference_node.__main__ import kv_transfer_config
-    from inference_node.memory_prompt import plan_memory
     from inference_node.connector.node_cache import CachedKv
+    from inference_node.memory_prompt import plan_memory
     from inference_node.plan import PlanSigner, plan_secret_from_env, provable_prefix
     from inference_node.settings import NodeSettings
     from inferscale_kv.layout import memory_header_ids, memory_header_text
