@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.dummy_model import LLAMA3_8B
-from inference_node.compose import (
+from inference_node.connector.compose import (
     ChunkSlice,
     PagedCaches,
     compose_into_cache,

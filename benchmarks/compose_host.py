@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.compose_check import kv_dims, llama3_8b_config, random_chunks, rotary_tables
-from inference_node import compose
+from inference_node.connector import compose
 
 BLOCK_SIZE, BLOCKS = 16, 4096
 

@@ -161,9 +161,10 @@ class Evaluator:
     def __init__(self, model_dir: Path, memory_service: str, max_new_tokens: int) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from inference_node.node_cache import NodeKvCache
+        from inference_node.connector.kv_source import kv_source
+        from inference_node.connector.node_cache import NodeKvCache
+        from inference_node.connector.staging import KvStager
         from inference_node.settings import NodeSettings
-        from inference_node.staging import KvStager
         from inferscale_kv.layout import memory_header_ids
         from inferscale_kv.rope import RotaryTables
 
@@ -174,7 +175,7 @@ class Evaluator:
         self.cos, self.sin = tables.cos, tables.sin
         settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
                                 fetch_timeout_s=120.0)
-        self.stager = KvStager(settings, NodeKvCache(), self.model.config)
+        self.stager = KvStager(NodeKvCache(), kv_source(settings, self.model.config))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
@@ -194,10 +195,11 @@ class Evaluator:
         """The connector's claim on this prompt and the KV it would write: (claimed tokens, DynamicCache)."""
         from transformers import DynamicCache
 
-        from inference_node.compose import ChunkSlice, compose_prefix
+        from inference_node.connector.compose import ChunkSlice, compose_prefix
         from inference_node.plan import provable_prefix
 
-        end, chunks = provable_prefix(prompt_ids, plan.plan, profile_id)
+        proof = provable_prefix(prompt_ids, plan.plan, profile_id)
+        end, chunks = proof.end, proof.chunks
         if not end:
             raise LookupError("the connector would claim nothing of this prompt")
         staged = self.stager.stage(user_id, chunks, torch.device("cpu"), torch.float32, None, may_fetch=True)

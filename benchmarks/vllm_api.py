@@ -22,7 +22,7 @@ METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 OUTPUTS = "vllm/v1/outputs.py"
 FORWARD_CONTEXT = "vllm/forward_context.py"
 FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
-# The hooks of inference_node/connector.py (implemented or called).
+# The hooks of inference_node/connector/ (implemented or called).
 HOOKS = ("__init__", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "build_kv_connector_stats", "build_prom_metrics",
          "get_kv_connector_stats", "register_kv_caches", "start_load_kv", "get_finished",

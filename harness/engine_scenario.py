@@ -88,8 +88,8 @@ def main(mode: str, args: list[str]) -> None:
 
     from inference_node.__main__ import kv_transfer_config
     from inference_node.connector import InferScaleConnector
+    from inference_node.connector.node_cache import CachedKv
     from inference_node.memory_prompt import plan_memory
-    from inference_node.node_cache import CachedKv
     from inference_node.plan import PlanSigner, plan_secret_from_env, provable_prefix
     from inference_node.settings import NodeSettings
     from inferscale_kv.layout import memory_header_ids, memory_header_text
@@ -146,7 +146,7 @@ def main(mode: str, args: list[str]) -> None:
                              for entry, token in zip(completion.logprobs, completion.token_ids, strict=True)],
                 "external_tokens": output.num_cached_tokens or 0}
 
-    _, chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id)
+    chunks = provable_prefix(prompt_ids, plan.plan, profile.profile_id).chunks
     chunk_keys = [chunk.key for chunk in chunks]
     result: dict[str, object] = {
         "mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),

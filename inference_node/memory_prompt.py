@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from inference_node.plan import build_plan
+from inference_node.plan import LoadPlan, PlanFact, PlanHeader
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import MEMORY_INSTRUCTION
 
@@ -16,7 +16,7 @@ from inferscale_kv.layout import MEMORY_INSTRUCTION
 class MemoryPlan:
     facts: list[pb.RetrievedFact]  # in prompt order
     block_text: str
-    plan: dict  # unsigned (inference_node.plan)
+    plan: LoadPlan  # unsigned
     injectable_tokens: int
     kv_facts: int
 
@@ -65,10 +65,10 @@ def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_con
                                   created_at=f.created_at) for f in facts]
     ordered = order_facts(facts, key)
     block = "".join(fact.text.strip() + "\n" for fact in ordered)
-    injected = [(f.fact_id, f.version, f.content_id, list(f.token_ids)) for f in ordered if has_kv(f)]
+    injected = [PlanFact(f.fact_id, f.version, f.content_id, tuple(f.token_ids)) for f in ordered if has_kv(f)]
     injected = injected[: max(len(injected) - recompute_tail_facts, 0)]
-    plan = build_plan(profile_id, user_id, header_content_id, header_ids, injected)
-    tokens = len(header_ids) + sum(len(t) for *_, t in injected) if header_content_id else 0
+    plan = LoadPlan(profile_id, user_id, PlanHeader(header_content_id, tuple(header_ids)), tuple(injected))
+    tokens = len(header_ids) + sum(len(fact.token_ids) for fact in injected) if header_content_id else 0
     return MemoryPlan(ordered, block, plan, tokens, len(injected))
 
 

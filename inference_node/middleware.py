@@ -25,7 +25,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import Counter, Histogram
@@ -38,6 +38,9 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
 from inferscale_kv.layout import memory_header_ids, memory_header_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
 MODES = ("kv", "text", "off")
@@ -125,7 +128,7 @@ class MemoryMiddleware:
     def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         self.app = app
         self.settings = NodeSettings.from_env()
-        self._tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._header_ids: list[int] = []
         self._header_text = ""
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
@@ -135,7 +138,8 @@ class MemoryMiddleware:
         self._query_embedder = (LocalQueryEmbedder(self.settings.embedding_model)
                                 if self.settings.embed_queries_locally else None)
 
-    def _prepare(self) -> None:
+    def _prepare(self) -> memory_pb2_grpc.MemoryServiceStub:
+        """Loads the tokenizer and opens the memory service's channel on first use; the stub."""
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -146,6 +150,7 @@ class MemoryMiddleware:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
             self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
             self._call_metadata = bearer_metadata(NODE)
+        return self._stub
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
@@ -197,7 +202,7 @@ class MemoryMiddleware:
         await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send_with_summary)
 
     async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, summary: dict[str, Any]) -> None:
-        self._prepare()
+        stub = self._prepare()
         query = (query_of(payload, path) or " ")[:2000]
         started = time.perf_counter()
         request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k,
@@ -207,8 +212,8 @@ class MemoryMiddleware:
             request.query_vector.extend(vector)
             request.embedding_model_id = model_id
         try:
-            response = await self._stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
-                                                         metadata=self._call_metadata)
+            response = await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
+                                                   metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)

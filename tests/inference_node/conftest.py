@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness.inference_node import InferenceNodeProcess
+from harness.memory_service import MemoryServiceProcess
 from inference_node.plan import PLAN_SECRET_ENV
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
@@ -20,7 +21,6 @@ from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
-from harness.memory_service import MemoryServiceProcess
 from precompute_worker.worker import profile_message
 
 # The injection mechanics under test: every fact with KV is injected unless a test asks for a tail.

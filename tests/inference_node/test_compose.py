@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from inference_node.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
+from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
 from inferscale_kv.rope import apply_rope
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
@@ -42,7 +42,7 @@ def test_torch_compose_rotates_the_concatenated_chunks_to_contiguous_positions()
 FUSED_CHECK = """
 import torch
 from tests.inference_node.test_compose import LAYERS, _slices, _tables
-from inference_node.compose import compose_prefix
+from inference_node.connector.compose import compose_prefix
 slices, (cos, sin) = _slices(1), _tables()
 fused = compose_prefix(slices, 11, cos, sin, LAYERS, fused=True)
 plain = compose_prefix(slices, 11, cos, sin, LAYERS, fused=False)
@@ -61,8 +61,9 @@ def test_fused_triton_kernel_equals_the_torch_path() -> None:
 
 PAGED_CHECK = """
 import torch
-from tests.inference_node.test_compose import BLOCK_IDS, BLOCK_SIZE, LAYERS, _empty_cache, _slices, _tables, _write_slots
-from inference_node.compose import PagedCaches, compose_into_cache
+from tests.inference_node.test_compose import (BLOCK_IDS, BLOCK_SIZE, LAYERS, _empty_cache, _slices, _tables,
+                                               _write_slots)
+from inference_node.connector.compose import PagedCaches, compose_into_cache
 slices, (cos, sin) = _slices(2), _tables()
 for physical in ("NHD", "HND"):
     caches = [_empty_cache(physical) for _ in range(LAYERS)]

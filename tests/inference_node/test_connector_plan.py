@@ -1,11 +1,22 @@
 """The scheduler-side claim: only what a signed plan proves against the prompt, and never an exception (it runs
 inside vLLM's scheduler)."""
 
-from types import SimpleNamespace
+import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from inference_node.plan import PlanSigner, build_plan, provable_prefix, strip_client_plans
+from inference_node.plan import (
+    NO_PREFIX,
+    LoadPlan,
+    PlanFact,
+    PlanHeader,
+    PlanSigner,
+    ProvenPrefix,
+    provable_prefix,
+    strip_client_plans,
+)
 from inferscale_kv.kv_key import content_id
 
 PROFILE = "kvp-p"
@@ -16,61 +27,143 @@ PROMPT = HEADER + FACT_A + FACT_B + [99, 98]
 SIGNER = PlanSigner(b"k" * 32)
 
 
-def _plan(*facts, profile=PROFILE, user="u1", header=HEADER):
-    return build_plan(profile, user, content_id(profile, [], header), header,
-                      [(fact_id, 1, content_id(profile, header, ids), ids) for fact_id, ids in facts])
+def _plan(*facts, profile=PROFILE, user="u1", header=HEADER) -> LoadPlan:
+    return LoadPlan(profile, user, PlanHeader(content_id(profile, [], header), tuple(header)),
+                    tuple(PlanFact(fact_id, 1, content_id(profile, header, ids), tuple(ids)) for fact_id, ids in facts))
+
+
+def _prove(wire: object) -> ProvenPrefix:
+    """What the scheduler makes of a wire plan (its signature checked): parsed, then proved."""
+    plan = LoadPlan.from_wire(wire)
+    return NO_PREFIX if plan is None else provable_prefix(PROMPT, plan, PROFILE)
 
 
 def test_claims_header_and_every_fact_whose_tokens_match() -> None:
-    end, chunks = provable_prefix(PROMPT, _plan(("a", FACT_A), ("b", FACT_B)), PROFILE)
-    assert end == len(HEADER + FACT_A + FACT_B)
-    assert [(c.key.fact_id, c.offset, c.key.is_header) for c in chunks] == [
+    proof = provable_prefix(PROMPT, _plan(("a", FACT_A), ("b", FACT_B)), PROFILE)
+    assert proof.end == len(HEADER + FACT_A + FACT_B) and proof.user_id == "u1"
+    assert [(c.key.fact_id, c.offset, c.key.is_header) for c in proof.chunks] == [
         ("header", 0, True), ("a", 3, False), ("b", 5, False)]
 
 
 def test_a_fact_named_like_the_header_is_keyed_as_that_users_fact() -> None:
     """Regression: a fact whose id was "header" was given the header's KV."""
-    end, chunks = provable_prefix(PROMPT, _plan(("header", FACT_A)), PROFILE)
-    assert end == len(HEADER + FACT_A)
+    proof = provable_prefix(PROMPT, _plan(("header", FACT_A)), PROFILE)
+    chunks = proof.chunks
+    assert proof.end == len(HEADER + FACT_A)
     assert chunks[1].key.user_id == "u1" and not chunks[1].key.is_header and chunks[1].key != chunks[0].key
 
 
 def test_claim_stops_at_the_first_fact_that_does_not_match() -> None:
-    end, chunks = provable_prefix(PROMPT, _plan(("b", FACT_B), ("a", FACT_A)), PROFILE)
-    assert end == len(HEADER) and [c.key.fact_id for c in chunks] == ["header"]
+    proof = provable_prefix(PROMPT, _plan(("b", FACT_B), ("a", FACT_A)), PROFILE)
+    assert proof.end == len(HEADER) and [c.key.fact_id for c in proof.chunks] == ["header"]
 
 
 def test_claim_leaves_at_least_one_token_to_compute() -> None:
-    end, _ = provable_prefix(HEADER + FACT_A, _plan(("a", FACT_A)), PROFILE)
-    assert end == len(HEADER + FACT_A) - 1
+    assert provable_prefix(HEADER + FACT_A, _plan(("a", FACT_A)), PROFILE).end == len(HEADER + FACT_A) - 1
 
 
 def test_another_profile_or_a_header_that_does_not_match_claims_nothing() -> None:
-    assert provable_prefix(PROMPT, _plan(profile="kvp-other"), PROFILE) == (0, [])
-    assert provable_prefix(PROMPT, _plan(("a", FACT_A), header=[7, 7]), PROFILE) == (0, [])
+    assert provable_prefix(PROMPT, _plan(profile="kvp-other"), PROFILE) == NO_PREFIX
+    assert provable_prefix(PROMPT, _plan(("a", FACT_A), header=[7, 7]), PROFILE) == NO_PREFIX
+
+
+def test_the_proof_names_the_chunks_a_load_from_a_position_needs() -> None:
+    proof = provable_prefix(PROMPT, _plan(("a", FACT_A), ("b", FACT_B)), PROFILE)
+    assert [c.key.fact_id for c in proof.chunks_from(4)] == ["a", "b"]  # position 4 is inside fact a
+    assert [c.key.fact_id for c in proof.chunks_from(5)] == ["b"]
 
 
 @pytest.mark.parametrize("plan", [
-    {}, {"v": 1}, {"v": 2, **_plan()}, {**_plan(), "user_id": ""}, {**_plan(), "user_id": "_profile"},
-    {**_plan(), "header": None}, {**_plan(), "facts": "nope"}, {**_plan(), "facts": [None]},
-    {**_plan(), "header": {"content_id": "not-hex", "token_ids": HEADER}},
-    {**_plan(), "header": {"content_id": "a" * 32, "token_ids": "123"}},
+    {}, {"v": 1}, {**_plan().to_wire(), "v": 2}, {**_plan().to_wire(), "user_id": ""},
+    {**_plan().to_wire(), "user_id": "_profile"}, {**_plan().to_wire(), "header": None},
+    {**_plan().to_wire(), "facts": "nope"}, {**_plan().to_wire(), "facts": [None]},
+    {**_plan().to_wire(), "header": {"content_id": "not-hex", "token_ids": HEADER}},
+    {**_plan().to_wire(), "header": {"content_id": "a" * 32, "token_ids": "123"}},
 ])
 def test_malformed_plans_claim_nothing_and_never_raise(plan) -> None:
-    end, chunks = provable_prefix(PROMPT, plan, PROFILE)
-    assert end == 0 or [c.key.fact_id for c in chunks] == ["header"]
+    proof = _prove(plan)
+    assert proof.end == 0 or [c.key.fact_id for c in proof.chunks] == ["header"]
+
+
+def test_the_wire_form_and_its_signature_are_the_ones_plans_were_signed_with_before_the_plan_was_typed() -> None:
+    """A plan the node signed before `LoadPlan` existed still verifies, with the same salt (rolling upgrades)."""
+    plan = LoadPlan("kvp-p", "u1", PlanHeader("a" * 32, (1, 2, 3)),
+                    (PlanFact("a", 1, "b" * 32, (10, 11)), PlanFact("b", 2, "c" * 32, (20, 21, 22))))
+    signed_before = json.loads(
+        '{"inferscale": {"plan": {"v": 1, "profile_id": "kvp-p", "user_id": "u1", "header": {"content_id": '
+        '"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "token_ids": [1, 2, 3]}, "facts": [{"fact_id": "a", "version": 1, '
+        '"content_id": "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "token_ids": [10, 11]}, {"fact_id": "b", "version": 2, '
+        '"content_id": "cccccccccccccccccccccccccccccccc", "token_ids": [20, 21, 22]}]}, '
+        '"sig": "8059bbfa4ab9025be83c25a504e496eae2ab464fa35f425702903cdf70e2db69"}}')
+    assert SIGNER.kv_transfer_params(plan) == signed_before
+    assert SIGNER.verified(signed_before) == plan
+    assert SIGNER.cache_salt(plan) == "isk-3339242c3b85e17d7ff095a45cfd69e3"
+    assert SIGNER.user_salt("kvp-p", "u1") == "isk-dd3fb5872c0380d3a6b046e3654bd69d"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=10)
+look_alikes = st.sampled_from([True, False, 1.0, 1, "1", None, [], {}])  # equal to a valid value in Python, not JSON
+token_ids = st.lists(st.integers(-3, 200), max_size=4).map(tuple)
+plans = st.builds(LoadPlan, st.text(max_size=5), st.text(max_size=5),
+                  st.builds(PlanHeader, st.text(max_size=5), token_ids),
+                  st.lists(st.builds(PlanFact, st.text(max_size=5), st.integers(), st.text(max_size=5), token_ids),
+                           max_size=3).map(tuple))
+
+
+def _places(node: object, path: tuple = ()) -> list[tuple]:
+    """Every place in a wire value: the path of keys and indices to each dict or list entry."""
+    entries = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
+    return [place for key, child in entries for place in [(*path, key), *_places(child, (*path, key))]]
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(plan=plans, data=st.data())
+def test_any_wire_value_is_refused_or_parsed_to_a_plan_whose_wire_form_is_the_same_bytes(plan, data) -> None:
+    """from_wire never raises on a plan's wire form with any one part replaced, removed or added, and what it
+    accepts signs and salts exactly as what was sent."""
+    wire = json.loads(json.dumps(plan.to_wire()))
+    assert LoadPlan.from_wire(wire) == plan
+    *parents, last = data.draw(st.sampled_from(_places(wire)))
+    parent = wire
+    for step in parents:
+        parent = parent[step]
+    change = data.draw(st.sampled_from(["replace", "remove", "add"]))
+    if change == "replace":
+        parent[last] = data.draw(look_alikes | json_values)
+    elif change == "remove":
+        del parent[last]
+    elif isinstance(parent, dict):
+        parent[data.draw(st.text(max_size=10))] = data.draw(json_values)
+    else:
+        parent.append(data.draw(json_values))
+    spoiled = LoadPlan.from_wire(wire)
+    if spoiled is not None:
+        assert json.dumps(spoiled.to_wire(), sort_keys=True) == json.dumps(wire, sort_keys=True)
+        assert SIGNER.verified({"inferscale": {"plan": wire, "sig": SIGNER.kv_transfer_params(spoiled)["inferscale"]
+                                               ["sig"]}}) == spoiled
+        provable_prefix(PROMPT, spoiled, PROFILE)
+
+
+def test_a_typed_plan_survives_its_wire_form() -> None:
+    plan = _plan(("a", FACT_A), ("b", FACT_B))
+    assert LoadPlan.from_wire(json.loads(json.dumps(plan.to_wire()))) == plan
 
 
 def test_only_the_signers_own_plans_verify() -> None:
     plan = _plan(("a", FACT_A))
     params = SIGNER.kv_transfer_params(plan)
     assert SIGNER.verified(params) == plan
-    altered = {"inferscale": {**params["inferscale"], "plan": {**plan, "user_id": "victim"}}}
+    altered = {"inferscale": {**params["inferscale"], "plan": {**plan.to_wire(), "user_id": "victim"}}}
     assert SIGNER.verified(altered) is None
     assert PlanSigner(b"o" * 32).verified(params) is None
-    unsigned = {"inferscale": {"plan": plan}}
-    for bad in (None, "x", [], {"inferscale": None}, unsigned, {"inferscale": {"plan": plan, "sig": 5}}):
-        assert SIGNER.verified(bad) is None
+    unsigned = {"inferscale": {"plan": plan.to_wire()}}
+    bad: list[object] = [None, "x", [], {"inferscale": None}, unsigned,
+                         {"inferscale": {"plan": plan.to_wire(), "sig": 5}}]
+    for params_value in bad:
+        assert SIGNER.verified(params_value) is None
 
 
 def test_the_cache_salt_is_bound_to_the_plan_and_the_secret() -> None:
@@ -87,5 +180,3 @@ def test_client_plans_and_reserved_salts_are_stripped_at_any_depth() -> None:
     assert strip_client_plans(body) == 4
     assert body == {"vllm_xargs": {}, "requests": [{"cache_salt": "mine"}]}
     assert strip_client_plans([1, "a", None]) == 0
-
-

@@ -9,14 +9,15 @@ from transformers import LlamaConfig
 
 from inference_node.__main__ import within_gpu_memory_budget
 from inference_node.connector import check_supported
-from inference_node.connector_scheduler import InferScaleScheduler
-from inference_node.plan import PLAN_SECRET_ENV, PlanSigner, build_plan
+from inference_node.connector.scheduler import InferScaleScheduler
+from inference_node.plan import PLAN_SECRET_ENV, LoadPlan, PlanFact, PlanHeader, PlanSigner
 from inference_node.settings import NodeSettings
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.rope import UnsupportedRotary
 
 PROFILE = "kvp-roles"
 SECRET = b"s" * 32
+SIGNER = PlanSigner(SECRET)
 HEADER = [1, 2, 3, 4]
 FACT = [10, 11, 12]
 PROMPT = HEADER + FACT + [99, 98]
@@ -42,11 +43,11 @@ def scheduler(monkeypatch) -> InferScaleScheduler:
     return InferScaleScheduler(_vllm_config(), settings)
 
 
-def _request(request_id: str, signer: PlanSigner = PlanSigner(SECRET), salt: str | None = None, lora=None,
+def _request(request_id: str, signer: PlanSigner = SIGNER, salt: str | None = None, lora=None,
              sign: bool = True) -> SimpleNamespace:
-    plan = build_plan(PROFILE, "u1", content_id(PROFILE, [], HEADER), HEADER,
-                      [("f", 1, content_id(PROFILE, HEADER, FACT), FACT)])
-    params = signer.kv_transfer_params(plan) if sign else {"inferscale": {"plan": plan}}
+    plan = LoadPlan(PROFILE, "u1", PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER)),
+                    (PlanFact("f", 1, content_id(PROFILE, HEADER, FACT), tuple(FACT)),))
+    params = signer.kv_transfer_params(plan) if sign else {"inferscale": {"plan": plan.to_wire()}}
     return SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=PROMPT,
                            cache_salt=signer.cache_salt(plan) if salt is None else salt, lora_request=lora)
 
@@ -171,7 +172,10 @@ def test_engine_start_refuses_speculative_decoding_and_other_kv_cache_layouts() 
         check_supported(drafted)
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64)
-    layout = lambda *specs: SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    def layout(*specs) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
     check_supported(_vllm_config(), layout(full))
     for specs in ((full, window), (window,)):
         with pytest.raises(ValueError, match="one KV cache group of full attention"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inference_node.connector_stats import COUNTERS, LoadStats
+from inference_node.connector.stats import COUNTERS, LoadStats
 
 
 def test_stats_from_two_workers_add_up_and_reduce_to_every_counter() -> None:

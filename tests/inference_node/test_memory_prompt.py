@@ -35,7 +35,7 @@ def test_a_recomputed_tail_leaves_the_facts_nearest_the_question_out_of_the_plan
     whole = plan_memory(facts, HEADER, CONTENT, "p", "u")
     tail = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=2)
     assert tail.block_text == whole.block_text  # the same prompt
-    assert [f["fact_id"] for f in tail.plan["facts"]] == ["d", "c"]  # b and a (ranks 2, 1) are prefilled
+    assert [f.fact_id for f in tail.plan.facts] == ["d", "c"]  # b and a (ranks 2, 1) are prefilled
     assert (tail.kv_facts, tail.injectable_tokens) == (2, len(HEADER) + 4)
     everything = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=9)
-    assert (everything.kv_facts, everything.injectable_tokens, everything.plan["facts"]) == (0, len(HEADER), [])
+    assert (everything.kv_facts, everything.injectable_tokens, everything.plan.facts) == (0, len(HEADER), ())

@@ -10,6 +10,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from harness.memory_service import MemoryServiceProcess
 from inference_node.middleware import SUMMARY_HEADER, MemoryMiddleware
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
@@ -17,7 +18,6 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE_TOKEN_ENV
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
-from harness.memory_service import MemoryServiceProcess
 from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _write
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_node.compose import ChunkSlice
-from inference_node.node_cache import CachedKv, NodeCacheDirectory, NodeKvCache
+from inference_node.connector.compose import ChunkSlice
+from inference_node.connector.node_cache import CachedKv, NodeCacheDirectory, NodeKvCache
 from inferscale_kv.kv_key import KvKey
 
 

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.inference_node import InferenceNodeProcess
+from harness.memory_service import MemoryServiceProcess
 from inference_node.memory_prompt import plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
-from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 from tests.inference_node.conftest import (
     NODE_FLAGS,
@@ -44,11 +44,13 @@ def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
     profile = tiny_profile(tiny_llama_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
 
-    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="random", facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="random",
+                                                facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
     upload_custom_kv(node_stub, profile, "random",
                      lambda item: (*random_kv(len(fact_token_ids(tokenizer, item.text)), 1),
                                    fact_token_ids(tokenizer, item.text)))
-    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="mismatch", facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="mismatch",
+                                                facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
     upload_custom_kv(node_stub, profile, "mismatch",
                      lambda item: (*random_kv(3, 2), [5, 6, 7]))  # token ids that are not the fact's
 
@@ -60,7 +62,7 @@ def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
 
 def _assert_same_generation(left, right, tolerance: float = 1e-4) -> None:
     assert left.tokens == right.tokens
-    assert max(abs(a - b) for a, b in zip(left.logprobs, right.logprobs)) <= tolerance
+    assert max(abs(a - b) for a, b in zip(left.logprobs, right.logprobs, strict=False)) <= tolerance
 
 
 def test_kv_mode_with_one_fact_reproduces_text_mode(node) -> None:
@@ -129,9 +131,10 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     assert kv.usage["prompt_tokens_details"]["cached_tokens"] == memory_length
     reference = _independent_fact_reference(tiny_llama_dir, header_ids, facts, prompt_ids[memory_length:],
                                             kv.tokens)
-    assert max(abs(a - b) for a, b in zip(kv.logprobs, reference)) <= 1e-3
+    assert max(abs(a - b) for a, b in zip(kv.logprobs, reference, strict=False)) <= 1e-3
     text = complete(node, QUESTION, {"user_id": "many", "mode": "text", "top_k": 6})
-    assert max(abs(a - b) for a, b in zip(text.logprobs, kv.logprobs)) > 1e-3  # facts really are independent
+    # the facts really are independent:
+    assert max(abs(a - b) for a, b in zip(text.logprobs, kv.logprobs, strict=False)) > 1e-3
 
 
 def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node_stub, tiny_llama_dir) -> None:
@@ -150,7 +153,7 @@ def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node
     assert tail.usage["prompt_tokens_details"]["cached_tokens"] == injected_length
     reference = _independent_fact_reference(tiny_llama_dir, header_ids, injected, prompt_ids[injected_length:],
                                             tail.tokens)
-    assert max(abs(a - b) for a, b in zip(tail.logprobs, reference)) <= 1e-3
+    assert max(abs(a - b) for a, b in zip(tail.logprobs, reference, strict=False)) <= 1e-3
     # A tail of every fact injects the header alone, which is exact: the text answer.
     everything = complete(node, QUESTION, {**memory, "recompute_tail_facts": 6})
     assert everything.summary["kv_facts"] == 0 and everything.summary["injectable_tokens"] == len(header_ids)
@@ -171,7 +174,7 @@ def test_random_kv_changes_the_output(node) -> None:
     randomized = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})
     assert randomized.summary["kv_facts"] == 1
     assert randomized.usage["prompt_tokens_details"]["cached_tokens"] == randomized.summary["injectable_tokens"]
-    assert max(abs(a - b) for a, b in zip(exact.logprobs, randomized.logprobs)) > 0.01
+    assert max(abs(a - b) for a, b in zip(exact.logprobs, randomized.logprobs, strict=False)) > 0.01
 
 
 def test_plain_request_after_injected_ones_gets_the_plain_answer(node) -> None:

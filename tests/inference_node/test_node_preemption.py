@@ -23,7 +23,8 @@ BURSTS = 3
 def crowded_node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
     for n, user in enumerate(USERS):
         node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
-            pb.FactInput(fact_id=f"f{i}", text=f"User {n} fact {i}: likes item {n * 10 + i} a lot.") for i in range(6)]))
+            pb.FactInput(fact_id=f"f{i}", text=f"User {n} fact {i}: likes item {n * 10 + i} a lot.")
+            for i in range(6)]))
     run_worker(node_memory_service, tiny_llama_dir)
     # 16 blocks of 32 tokens: two of these requests fit at once, so growing ones preempt each other.
     process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("crowded"),
@@ -46,7 +47,7 @@ def _preemptions(node: InferenceNodeProcess) -> float:
 def _assert_same_greedy_run(got, expected, label: str, tolerance: float = 1e-3) -> None:
     """Same tokens with the same logprobs; batched float32 arithmetic may reorder sums, so the two runs may part at
     a near-tie of the random model (both chosen tokens then have the same logprob), and are compared up to there."""
-    for index, (token, want) in enumerate(zip(got.tokens, expected.tokens)):
+    for index, (token, want) in enumerate(zip(got.tokens, expected.tokens, strict=False)):
         difference = abs(got.logprobs[index] - expected.logprobs[index])
         assert difference <= tolerance, f"{label}: token {index}: logprob differs by {difference:.2e}"
         if token != want:
@@ -62,7 +63,8 @@ def test_every_preempted_injected_request_gives_its_unpreempted_answer(crowded_n
     for _ in range(BURSTS):  # every burst must be right; at least one must have preempted
         with ThreadPoolExecutor(max_workers=len(USERS)) as pool:
             injected = dict(zip(USERS, pool.map(
-                lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS)))
+                lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS),
+                                strict=True))
         for user in USERS:
             assert injected[user].summary.get("kv_facts") == 6, f"{user}: {injected[user].summary}"
             _assert_same_greedy_run(injected[user], expected[user], user)

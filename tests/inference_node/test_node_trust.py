@@ -18,11 +18,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from harness.inference_node import InferenceNodeProcess
+from harness.tiny_llama import build_tiny_llama
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import MEMORY_INSTRUCTION, fact_token_ids, memory_header_ids, memory_header_text
 from tests.conftest import run_worker
 from tests.inference_node.conftest import NODE_FLAGS, complete, random_kv, tiny_profile, upload_custom_kv
-from harness.tiny_llama import build_tiny_llama
 
 QUESTION = "def answer(question):"
 VICTIM_FACT = "Alice keeps bees on the roof of her house."
@@ -160,7 +160,8 @@ def test_a_forged_plan_on_every_served_post_route_loads_nothing_and_changes_no_o
     for route in routes:
         plain_body = _bodies(node, tokenizer, VICTIM_FACT)
         forged_plan = _forged_plan(node_stub, tokenizer, profile, "victim", VICTIM_FACT)
-        forged_body = {**plain_body, "kv_transfer_params": forged_plan, "cache_salt": _legacy_salt(profile_id, "victim"),
+        forged_body = {**plain_body, "kv_transfer_params": forged_plan,
+                       "cache_salt": _legacy_salt(profile_id, "victim"),
                        "vllm_xargs": {"kv_transfer_params": forged_plan}}
         forged_status, forged = _post(node, route, forged_body)
         plain_status, plain = _post(node, route, plain_body)
@@ -180,7 +181,7 @@ def test_a_forged_salt_cannot_reuse_injected_blocks(node, tokenizer, tiny_llama_
     profile_id = tiny_profile(tiny_llama_dir).profile_id
     injected = complete(node, QUESTION, {"user_id": "victim", "mode": "kv"})
     plain = complete(node, QUESTION, {"user_id": "reference", "mode": "text"})  # the same prompt, prefilled
-    assert max(abs(a - b) for a, b in zip(injected.logprobs, plain.logprobs)) > 0.01
+    assert max(abs(a - b) for a, b in zip(injected.logprobs, plain.logprobs, strict=False)) > 0.01
     body = {"model": str(node.model_dir), "prompt": memory_header_text(tokenizer) + VICTIM_FACT + "\n" + QUESTION,
             "max_tokens": 12, "temperature": 0, "logprobs": 1, "add_special_tokens": False}  # the injected tokens
     for salt in (_legacy_salt(profile_id, "victim"), "isk-" + "0" * 32):
@@ -191,7 +192,7 @@ def test_a_forged_salt_cannot_reuse_injected_blocks(node, tokenizer, tiny_llama_
 
 def _same_generation(left, right, tolerance: float = 1e-4) -> None:
     assert left.tokens == right.tokens
-    assert max(abs(a - b) for a, b in zip(left.logprobs, right.logprobs)) <= tolerance
+    assert max(abs(a - b) for a, b in zip(left.logprobs, right.logprobs, strict=False)) <= tolerance
 
 
 def test_a_fact_deleted_and_added_again_under_its_id_gets_its_new_kv(node, node_stub, node_memory_service,

@@ -7,14 +7,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from inference_node.compose import ChunkSlice, compose_prefix
-from inference_node.node_cache import NodeKvCache
-from inference_node.settings import NodeSettings
+from inference_node.connector.compose import ChunkSlice, compose_prefix
+from inference_node.connector.kv_source import kv_source
+from inference_node.connector.node_cache import NodeKvCache
+from inference_node.connector.staging import KvStager
+from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard
 from inference_node.plan import ChunkLoad
-from inference_node.staging import KvStager
-from inferscale_kv.kv_key import KvKey
-from inference_node.tensor_parallel import UNSHARDED, KvHeadShard
+from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.kv_key import KvKey
 from inferscale_kv.rope import RotaryTables
 from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
 
@@ -66,7 +67,7 @@ def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkLoad]:
 def _stager(memory_service, model_dir, shard: KvHeadShard) -> KvStager:
     settings = NodeSettings(memory_service=memory_service.address, node_id=f"tp-rank-{shard.rank}",
                             model_dir=str(model_dir))
-    return KvStager(settings, NodeKvCache(), AutoConfig.from_pretrained(model_dir), shard)
+    return KvStager(NodeKvCache(), kv_source(settings, AutoConfig.from_pretrained(model_dir), shard))
 
 
 def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
 from inferscale_kv.shape import KvShape
 
 
@@ -47,6 +49,4 @@ def current_shard(tensor_parallel_size: int) -> KvHeadShard:
     """The calling vLLM worker's shard (its tensor-parallel group must be initialized when size > 1)."""
     if tensor_parallel_size == 1:
         return UNSHARDED
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
     return KvHeadShard(rank=get_tensor_model_parallel_rank(), size=tensor_parallel_size)

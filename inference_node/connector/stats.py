@@ -6,9 +6,12 @@ failures and loads)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 COUNTERS = {
     "loads": "memory-prefix loads started (a request's header + facts)",
@@ -48,17 +51,22 @@ class LoadStats(KVConnectorStats):
         return not any(self.data.get(name, 0) for name in COUNTERS)
 
 
+class _Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
 class ConnectorPromMetrics(KVConnectorPromMetrics):
     """`inferscale_connector_<name>_total` counters, one per vLLM engine label set."""
 
-    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
+        self._counters: dict[str, dict[int, _Counter]] = {}
         for name, documentation in COUNTERS.items():
             counter = self._counter_cls(name=f"inferscale_connector_{name}", documentation=documentation,
                                         labelnames=labelnames)
-            self._counters[name] = {engine: counter.labels(*values)
+            # vLLM types its counter class as any Prometheus metric; the one it hands for Counter counts.
+            self._counters[name] = {engine: cast(_Counter, counter.labels(*values))
                                     for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

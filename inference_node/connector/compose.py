@@ -132,7 +132,8 @@ def _index_tables(slices: list[ChunkSlice], device: torch.device, *extra: torch.
     ids).
     Each table starts 16-byte aligned, so Triton's pointer-alignment specialization never changes between
     loads (a changed alignment would compile a new kernel variant mid-serving). Built with numpy in a few vector
-    operations: per-slice torch calls cost ~0.5 ms of host time at k=50 (H100 probe, 2026-12-06)."""
+    operations: per-slice torch calls made host time the larger part of a load (benchmarks/RESULTS.md, "The node's
+    crossover policy and the connector's own time")."""
     dtype = slices[0].keys.dtype
     for s in slices:
         if not (s.keys.is_contiguous() and s.values.is_contiguous() and s.keys.dtype == dtype == s.values.dtype):
@@ -161,7 +162,7 @@ if triton is not None:
     _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     # Positions and token counts change with every load: specializing on them (Triton does for ints divisible by
-    # 16 or equal to 1) would compile a new variant mid-serving (~100 ms stalls seen at k=5 and k=10).
+    # 16 or equal to 1) would stall serving while a new variant compiles.
     @triton.jit(do_not_specialize=["start", "count"])
     def _rope_gather_kernel(key_ptrs, value_ptrs, chunk_rows, token_chunk, token_row, cos, sin, out_keys,
                             out_values, start, count, stride_block, stride_head, stride_slot, HEADS: tl.constexpr,

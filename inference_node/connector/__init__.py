@@ -1,17 +1,22 @@
 """InferScale's vLLM KV connector (v1 API): loads the memory prefix (header + facts) of a request from
 precomputed, pre-RoPE fact KV instead of prefilling it.
 
-`InferScaleConnector` is a thin façade, as vLLM's own NIXL connector is: in the scheduler process it holds an
-`InferScaleScheduler` (connector_scheduler.py), in each worker an `InferScaleWorker` (connector_worker.py). The two
-roles share no state; they talk only through the typed metadata below (scheduler to workers, once per step) and
-vLLM's `KVConnectorOutput` (workers to scheduler: finished and failed loads).
+vLLM loads `InferScaleConnector` from this package (`kv_connector_module_path: inference_node.connector`). It is a
+thin façade, as vLLM's own NIXL connector is: in the scheduler process it holds an `InferScaleScheduler`
+(scheduler.py), in each worker an `InferScaleWorker` (worker.py). The two roles share no state; they talk only
+through the typed metadata (metadata.py: scheduler to workers, once per step) and vLLM's `KVConnectorOutput`
+(workers to scheduler: finished and failed loads); their counters travel as `LoadStats` (stats.py). The rest of the
+package serves the roles: the node cache (node_cache.py), staging and where missing KV comes from (staging.py,
+kv_source.py), composition into the paged cache (compose.py), tensor-parallel head shards (tensor_parallel.py) and
+benchmark load timing (load_timer.py). The load plan the scheduler verifies is the middleware's (inference_node.plan).
 
 Contract of the hooks, as InferScale implements them:
 - `get_num_new_matched_tokens` (scheduler): side-effect free apart from a per-request memo of the verified plan;
   the same answer for the same request within a step. It claims only what a *signed* plan proves against the
   prompt's own token ids (inference_node.plan), and says "async" unless every chunk is resident in the node cache
-  and synchronous loads are allowed (NodeSettings.synchronous_loads: off on CUDA, where vLLM 0.26 recomputes a
-  refused synchronous load wrongly; an async load of resident chunks is written in the same step it is sent).
+  and synchronous loads are allowed (NodeSettings.synchronous_loads: off on CUDA, where vLLM recomputes a refused
+  synchronous load wrongly, benchmarks/RESULTS.md, "Refused loads on the GPU"; an async load of resident chunks is
+  written in the same step it is sent).
 - `update_state_after_alloc` / `build_connector_meta` (scheduler): a load is sent to the workers exactly once,
   also when a preempted request resumes (then with all of its new block ids); the node-cache evictions the
   directory decided travel in the same metadata and are applied before any load of the step.
@@ -26,7 +31,6 @@ Contract of the hooks, as InferScale implements them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,39 +38,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from inference_node.connector_stats import ConnectorPromMetrics, LoadStats
-from inference_node.plan import ChunkLoad
-from inferscale_kv.kv_key import KvKey
+from inference_node.connector.metadata import InferScaleConnectorMetadata
+from inference_node.connector.scheduler import InferScaleScheduler
+from inference_node.connector.stats import ConnectorPromMetrics, LoadStats
+from inference_node.connector.worker import InferScaleWorker
+from inference_node.settings import NodeSettings
 from inferscale_kv.rope import check_rotary_supported
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-
-@dataclass(frozen=True)
-class LoadSpec:
-    request_id: str
-    user_id: str
-    chunks: tuple[ChunkLoad, ...]
-    start: int  # first prompt position to write (tokens before it are in vLLM's prefix cache)
-    end: int  # one past the last position to write
-    block_ids: tuple[int, ...]
-    load_async: bool = False
+__all__ = ["InferScaleConnector", "check_supported"]
 
 
-@dataclass
-class InferScaleConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    evictions: tuple[KvKey, ...] = ()  # node-cache entries to drop before this step's loads
-
-
-def check_supported(vllm_config: VllmConfig, kv_cache_config: Any = None) -> None:
+def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> None:
     """Refuses, at engine start, configurations under which injected KV would be wrong or a failed load fatal."""
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("InferScaleConnector: pipeline parallelism is not supported (use tensor parallelism)")
@@ -75,8 +69,6 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: Any = None) -> Non
                          "layers would get no memory KV)")
     check_rotary_supported(vllm_config.model_config.hf_config)
     if kv_cache_config is not None:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
         specs = [type(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
         if specs != [FullAttentionSpec]:
             raise ValueError("InferScaleConnector: needs one KV cache group of full attention, got "
@@ -84,39 +76,46 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: Any = None) -> Non
 
 
 class InferScaleConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
-        from inference_node.settings import NodeSettings
-
-        settings = NodeSettings.from_mapping(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        # Imported here: each role module imports this one's metadata types.
-        from inference_node.connector_scheduler import InferScaleScheduler
-        from inference_node.connector_worker import InferScaleWorker
-
+        transfer = vllm_config.kv_transfer_config
+        settings = NodeSettings.from_mapping((transfer.kv_connector_extra_config if transfer else None) or {})
         self._scheduler: InferScaleScheduler | None = None
         self._worker: InferScaleWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = InferScaleScheduler(vllm_config, settings)
         else:
-            self._worker = InferScaleWorker(vllm_config, settings)
+            self._worker = InferScaleWorker.from_settings(vllm_config, settings)
+
+    @property
+    def _scheduler_role(self) -> InferScaleScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("InferScaleConnector: a scheduler hook was called on a worker")
+        return self._scheduler
+
+    @property
+    def _worker_role(self) -> InferScaleWorker:
+        if self._worker is None:
+            raise RuntimeError("InferScaleConnector: a worker hook was called on the scheduler")
+        return self._worker
 
     # ------------------------------------------------------------------ scheduler role
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_role.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_role.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_role.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        self._scheduler_role.update_connector_output(connector_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._scheduler.request_finished(request)
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_role.request_finished(request)
         return False, None
 
     @classmethod
@@ -124,28 +123,28 @@ class InferScaleConnector(KVConnectorBase_V1):
         return LoadStats(data=dict(data)) if data is not None else LoadStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> ConnectorPromMetrics:
         return ConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> LoadStats | None:
-        return (self._scheduler or self._worker).take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else self._worker_role.take_stats()
 
     # ------------------------------------------------------------------ worker role
 
-    def register_kv_caches(self, kv_caches: dict) -> None:
-        self._worker.register_kv_caches(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_role.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if isinstance(metadata, InferScaleConnectorMetadata):
-            self._worker.start_load_kv(metadata, forward_context)
+            self._worker_role.start_load_kv(metadata, forward_context)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.get_finished()
+        return None, self._worker_role.get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks()
+        return self._worker_role.take_failed_blocks()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

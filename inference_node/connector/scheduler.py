@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from inference_node.connector import InferScaleConnectorMetadata, LoadSpec
-from inference_node.connector_stats import LoadStats
-from inference_node.node_cache import NodeCacheDirectory
-from inference_node.plan import ChunkLoad, PlanSigner, plan_secret_from_env, provable_prefix
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector.node_cache import NodeCacheDirectory
+from inference_node.connector.stats import LoadStats
+from inference_node.connector.tensor_parallel import KvHeadShard
+from inference_node.plan import NO_PREFIX, ChunkLoad, PlanSigner, ProvenPrefix, plan_secret_from_env, provable_prefix
 from inference_node.settings import NodeSettings
-from inference_node.tensor_parallel import KvHeadShard
 from inferscale_kv.shape import KvShape
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-_NO_PLAN: tuple[int, tuple[ChunkLoad, ...], str] = (0, (), "")
 # Synchronous loads are remembered this long (in loads) so that a failure reported a step later finds them.
 _RECENT_SYNC_LOADS = 512
 
@@ -40,7 +39,7 @@ class InferScaleScheduler:
         tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
                                              _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size))
-        self._plans: dict[str, tuple[int, tuple[ChunkLoad, ...], str]] = {}  # request id -> (end, chunks, user)
+        self._proofs: dict[str, ProvenPrefix] = {}  # request id -> what its plan proves of its prompt
         self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last matching query
         self._pending: dict[str, LoadSpec] = {}  # decided by update_state_after_alloc, not yet sent
         self._inflight: dict[str, LoadSpec] = {}  # async loads sent, not yet reported finished
@@ -48,24 +47,22 @@ class InferScaleScheduler:
         self._recent_sync: OrderedDict[str, LoadSpec] = OrderedDict()
         self._stats = LoadStats()
 
-    def _plan(self, request: Request) -> tuple[int, tuple[ChunkLoad, ...], str]:
+    def _proof(self, request: Request) -> ProvenPrefix:
         """The prefix the request's plan proves (memoized per request: its prompt and plan never change)."""
-        memo = self._plans.get(request.request_id)
+        memo = self._proofs.get(request.request_id)
         if memo is not None:
             return memo
-        result = _NO_PLAN
+        proof = NO_PREFIX
         if request.kv_transfer_params:
             plan = self._signer.verified(request.kv_transfer_params)
             if plan is None or request.cache_salt != self._signer.cache_salt(plan):
-                self._refuse(request, "unsigned or altered plan, or a salt the plan does not sign")
+                self._refuse(request, "unsigned, altered or malformed plan, or a salt the plan does not sign")
             elif getattr(request, "lora_request", None) is not None:
                 self._refuse(request, "LoRA request (fact KV is the base model's)")
             else:
-                end, chunks = provable_prefix(request.prompt_token_ids or [], plan, self.profile_id)
-                if chunks:
-                    result = (end, tuple(chunks), plan["user_id"])
-        self._plans[request.request_id] = result
-        return result
+                proof = provable_prefix(request.prompt_token_ids or [], plan, self.profile_id)
+        self._proofs[request.request_id] = proof
+        return proof
 
     def _refuse(self, request: Request, why: str) -> None:
         self._stats.add("plans_refused")
@@ -77,10 +74,10 @@ class InferScaleScheduler:
         return not (self._synchronous_loads and all(self._directory.is_resident(chunk.key) for chunk in chunks))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        end, chunks, _ = self._plan(request)
+        proof = self._proof(request)
         self._computed[request.request_id] = num_computed_tokens  # where a load allocated next would start
-        claim = max(0, end - num_computed_tokens)
-        return claim, claim > 0 and self._loads_async(_from(chunks, num_computed_tokens))
+        claim = max(0, proof.end - num_computed_tokens)
+        return claim, claim > 0 and self._loads_async(proof.chunks_from(num_computed_tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decides the load vLLM just allocated for: positions [local hit, local hit + external tokens), into the
@@ -89,10 +86,10 @@ class InferScaleScheduler:
         if num_external_tokens <= 0:
             self._pending.pop(request.request_id, None)
             return
-        end, chunks, user_id = self._plan(request)
-        start = computed if computed is not None else end - num_external_tokens
-        chunks = _from(chunks, start)  # those before `start` are in vLLM's prefix cache: not staged, not needed
-        self._pending[request.request_id] = LoadSpec(request.request_id, user_id, chunks, start,
+        proof = self._proof(request)
+        start = computed if computed is not None else proof.end - num_external_tokens
+        chunks = proof.chunks_from(start)  # those before `start` are in vLLM's prefix cache: not staged, not needed
+        self._pending[request.request_id] = LoadSpec(request.request_id, proof.user_id, chunks, start,
                                                      start + num_external_tokens, tuple(blocks.get_block_ids()[0]),
                                                      self._loads_async(chunks))
 
@@ -129,20 +126,20 @@ class InferScaleScheduler:
                 loaded = req_id not in failed and req_id not in self._failed_inflight
                 self._failed_inflight.discard(req_id)
                 self._directory.settle([chunk.key for chunk in spec.chunks], loaded)
-                if not loaded and req_id in self._plans:
-                    self._plans[req_id] = _NO_PLAN  # vLLM prefills it; a re-admitted request claims nothing
+                if not loaded and req_id in self._proofs:
+                    self._proofs[req_id] = NO_PREFIX  # vLLM prefills it; a re-admitted request claims nothing
         if invalid:
             for req_id, spec in list(self._recent_sync.items()):
                 if not invalid.isdisjoint(spec.block_ids):
                     self._directory.drop(chunk.key for chunk in spec.chunks)
-                    if req_id in self._plans:
-                        self._plans[req_id] = _NO_PLAN
+                    if req_id in self._proofs:
+                        self._proofs[req_id] = NO_PREFIX
                     del self._recent_sync[req_id]
 
     def request_finished(self, request: Request) -> None:
         # An async load in flight stays in _inflight: vLLM frees the blocks only once it is reported finished.
         self._pending.pop(request.request_id, None)
-        self._plans.pop(request.request_id, None)
+        self._proofs.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
         self._recent_sync.pop(request.request_id, None)
 
@@ -151,11 +148,6 @@ class InferScaleScheduler:
             return None
         stats, self._stats = self._stats, LoadStats()
         return stats
-
-
-def _from(chunks: tuple[ChunkLoad, ...], start: int) -> tuple[ChunkLoad, ...]:
-    """The chunks that hold prompt positions at or after `start`."""
-    return tuple(chunk for chunk in chunks if chunk.offset + len(chunk.token_ids) > start)
 
 
 def _bytes_per_token_per_rank(model_config: Any, tensor_parallel_size: int) -> int:

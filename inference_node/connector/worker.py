@@ -5,27 +5,28 @@ On CUDA with the cache in the model dtype one fused Triton kernel does both (`co
 elsewhere torch ops compose (`compose.compose_prefix`) and each attention layer's own `do_kv_cache_update`
 writes (CPU's packed layout, fp8 caches). Async loads are fetched on a thread and written in `get_finished` of a
 later step. Nothing raises into the engine: a failure marks the load's blocks for recompute. Counts reach
-Prometheus through vLLM's connector stats (`connector_stats`).
+Prometheus through vLLM's connector stats (stats.py). Where missing KV comes from and whether loads are timed are
+chosen once, when the worker is built (`from_settings`: kv_source.py, load_timer.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
 
-from inference_node.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
-from inference_node.connector import InferScaleConnectorMetadata, LoadSpec
-from inference_node.connector_stats import LoadStats
-from inference_node.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
+from inference_node.connector.kv_source import KvSource, kv_source
+from inference_node.connector.load_timer import LoadTimer, load_timer
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.staging import KvStager, NotResident, StagedChunks
+from inference_node.connector.stats import LoadStats
+from inference_node.connector.tensor_parallel import current_shard
 from inference_node.settings import NodeSettings
-from inference_node.staging import KvStager, NotResident, StagedChunks
-from inference_node.tensor_parallel import current_shard
 from inferscale_kv.rope import RotaryTables
 
 if TYPE_CHECKING:
@@ -37,23 +38,30 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 class InferScaleWorker:
-    def __init__(self, vllm_config: VllmConfig, settings: NodeSettings) -> None:
-        self.settings = settings
+    def __init__(self, vllm_config: VllmConfig, source: KvSource, timer: LoadTimer) -> None:
         self.block_size = vllm_config.cache_config.block_size
         self._cache_dtype_is_model_dtype = vllm_config.cache_config.cache_dtype == "auto"
         self._model_config = vllm_config.model_config
+        if not isinstance(self._model_config.dtype, torch.dtype):
+            raise TypeError(f"InferScaleConnector: model dtype {self._model_config.dtype!r} is not resolved")
+        self._dtype: torch.dtype = self._model_config.dtype
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin on the device
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache()
-        shard = current_shard(vllm_config.parallel_config.tensor_parallel_size)
-        self._stager = KvStager(settings, self._cache, self._model_config.hf_config, shard)
+        self._stager = KvStager(self._cache, source)
+        self._timer = timer
         self._fetcher: ThreadPoolExecutor | None = None
-        self._inflight: dict[str, tuple[LoadSpec, Future]] = {}
-        self._staging_ms: dict[str, float] = {}  # benchmark mode: async loads staged from the node cache, their time
+        self._inflight: dict[str, tuple[LoadSpec, Future[StagedChunks]]] = {}
+        self._staging_ms: dict[str, float] = {}  # async loads staged from the node cache: their staging time
         self._failed_blocks: set[int] = set()
         self._stats = LoadStats()
-        self._last_misses = 0
-        self._phase_ends: dict[str, float] = {}
+
+    @classmethod
+    def from_settings(cls, vllm_config: VllmConfig, settings: NodeSettings) -> InferScaleWorker:
+        """The worker of this rank with the KV source and load timer the node's settings ask for: the memory
+        service or synthetic KV (`synthetic_kv`), untimed or JSON-lines records (`load_stats_path`)."""
+        shard = current_shard(vllm_config.parallel_config.tensor_parallel_size)
+        return cls(vllm_config, kv_source(settings, vllm_config.model_config.hf_config, shard), load_timer(settings))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -68,17 +76,18 @@ class InferScaleWorker:
                 self._start_async(spec, forward_context)
                 continue
             try:
-                started = self._now()
+                started = self._timer.now()
                 layers = self._attention_layers(forward_context)
                 device = _layer_cache(next(iter(layers.values()))).device
-                staged = self._count(self._stage(spec, device, may_fetch=False))
-                staged_at = self._now()
-                self._write(spec, staged, layers)
-                self._record_load(spec, (staged_at - started) * 1000, staged_at)
+                staged = self._stage(spec, device, may_fetch=False)
+                entries = self._count(staged)
+                staged_at = self._timer.now()
+                self._write(spec, entries, layers)
+                self._timer.record(spec, (staged_at - started) * 1000, staged_at, staged.misses)
             except NotResident as exc:
                 self._stats.add("sync_misses")
                 self._fail(spec, str(exc))
-            except Exception:  # noqa: BLE001 - never into the engine: report, and vLLM recomputes
+            except Exception:  # never into the engine: report, and vLLM recomputes
                 logger.exception("InferScale: KV load failed for request %s", spec.request_id)
                 self._fail(spec, "see the traceback above")
 
@@ -88,10 +97,9 @@ class InferScaleWorker:
             layers = self._attention_layers(forward_context)
             device = _layer_cache(next(iter(layers.values()))).device
             try:
-                started = self._now()
+                started = self._timer.now()
                 self._inflight[spec.request_id] = (spec, _done_future(self._stage(spec, device, may_fetch=False)))
-                if self.settings.load_stats_path:
-                    self._staging_ms[spec.request_id] = (self._now() - started) * 1000
+                self._staging_ms[spec.request_id] = (self._timer.now() - started) * 1000
                 return
             except NotResident:
                 pass
@@ -100,7 +108,7 @@ class InferScaleWorker:
             compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             self._inflight[spec.request_id] = (spec, self._fetcher.submit(self._stage, spec, device, True,
                                                                           compute_stream))
-        except Exception as exc:  # noqa: BLE001 - reported as a failed load in get_finished
+        except Exception as exc:  # reported as a failed load in get_finished
             self._inflight[spec.request_id] = (spec, _failed_future(exc))
 
     def get_finished(self) -> set[str] | None:
@@ -113,14 +121,15 @@ class InferScaleWorker:
             del self._inflight[req_id]
             done.add(req_id)
             self._stats.add("async_loads")
-            staging_ms = self._staging_ms.pop(req_id, None)  # None: fetched, or not in benchmark mode
+            staging_ms = self._staging_ms.pop(req_id, None)  # None: fetched
             try:
-                entries = self._count(future.result())
-                write_started = self._now()
-                self._write(spec, entries, self._layers)
+                staged = future.result()
+                entries = self._count(staged)
+                write_started = self._timer.now()
+                self._write(spec, entries, self._seen_layers())
                 if staging_ms is not None:
-                    self._record_load(spec, staging_ms, write_started)
-            except Exception:  # noqa: BLE001
+                    self._timer.record(spec, staging_ms, write_started, staged.misses)
+            except Exception:  # never into the engine: report, and vLLM recomputes
                 logger.exception("InferScale: async KV load failed for request %s", spec.request_id)
                 self._fail(spec, "see the traceback above")
         return done or None
@@ -147,44 +156,18 @@ class InferScaleWorker:
         first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
         self._failed_blocks.update(spec.block_ids[first : last + 1])
 
-    def _now(self) -> float:
-        """The time; in benchmark mode (load stats) after the device finished the work launched so far."""
-        if self.settings.load_stats_path and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def _mark(self, phase: str) -> None:
-        """Benchmark mode only: the time at the end of a load phase."""
-        if self.settings.load_stats_path:
-            self._phase_ends[phase] = self._now()
-
-    def _record_load(self, spec: LoadSpec, staging_ms: float, write_started: float) -> None:
-        """Benchmark mode only: one load's own work, staging from the node cache (in start_load_kv) plus composing
-        and writing into the paged cache (start_load_kv for a synchronous load, get_finished for an async one); the
-        engine steps between an async load's two halves are not the connector's."""
-        if not self.settings.load_stats_path:
-            return
-        ends = self._phase_ends
-        compose_ms, write_ms = (ends["compose"] - write_started) * 1000, (ends["write"] - ends["compose"]) * 1000
-        record = {"request_id": spec.request_id, "tokens": spec.end - spec.start, "chunks": len(spec.chunks),
-                  "ms": staging_ms + compose_ms + write_ms, "node_cache_misses": self._last_misses,
-                  "stage_ms": staging_ms, "compose_ms": compose_ms, "write_ms": write_ms}
-        with open(self.settings.load_stats_path, "a") as stats_file:
-            stats_file.write(json.dumps(record) + "\n")
-
-    def _stage(self, spec: LoadSpec, device: torch.device, may_fetch: bool, compute_stream=None) -> StagedChunks:
+    def _stage(self, spec: LoadSpec, device: torch.device, may_fetch: bool,
+               compute_stream: torch.cuda.Stream | None = None) -> StagedChunks:
         """The chunks' KV from the node cache (fetching misses when `may_fetch`: fetch threads only)."""
         if device.type == "cuda" and compute_stream is None:
             compute_stream = torch.cuda.current_stream(device)
-        return self._stager.stage(spec.user_id, spec.chunks, device, self._model_config.dtype, compute_stream,
-                                  may_fetch)
+        return self._stager.stage(spec.user_id, spec.chunks, device, self._dtype, compute_stream, may_fetch)
 
     def _count(self, staged: StagedChunks) -> list[CachedKv]:
         """Records a staging's lookups (engine thread only: the stats object is not shared with fetch threads)."""
-        self._last_misses = staged.lookups - staged.hits
         self._stats.add("node_cache_lookups", staged.lookups)
         self._stats.add("node_cache_hits", staged.hits)
-        self._stats.add("facts_fetched", staged.lookups - staged.hits)
+        self._stats.add("facts_fetched", staged.misses)
         return staged.entries
 
     def _attention_layers(self, forward_context: ForwardContext) -> dict[int, Any]:
@@ -197,6 +180,12 @@ class InferScaleWorker:
             if not layers:
                 raise RuntimeError("no attention layers in the forward context")
             self._layers = dict(sorted(layers.items()))
+        return self._layers
+
+    def _seen_layers(self) -> dict[int, Any]:
+        """The attention layers found by an earlier start_load_kv (every async load's start looked them up)."""
+        if self._layers is None:
+            raise RuntimeError("no attention layers seen yet")
         return self._layers
 
     def _write(self, spec: LoadSpec, entries: list[CachedKv], layers: dict[int, Any]) -> None:
@@ -217,11 +206,11 @@ class InferScaleWorker:
             tables = RotaryTables.from_config(self._model_config.hf_config, self._model_config.max_model_len, device)
             self._rope = (tables.cos.float().contiguous(), tables.sin.float().contiguous())
         caches = PagedCaches([_layer_cache(layer) for layer in layers.values()], spec.block_ids, self.block_size)
-        if self._cache_dtype_is_model_dtype and caches.writable_by_kernel(self._model_config.dtype):
+        if self._cache_dtype_is_model_dtype and caches.writable_by_kernel(self._dtype):
             compose_into_cache(slices, spec.start, *self._rope, caches)  # compose and cache writes in one launch
-            self._mark("compose")
+            self._timer.mark("compose")
             self._stats.add("tokens_loaded", count)
-            self._mark("write")
+            self._timer.mark("write")
             return
         keys, values = compose_prefix(slices, spec.start, *self._rope, len(layers))
         positions = torch.arange(spec.start, spec.end)
@@ -230,14 +219,14 @@ class InferScaleWorker:
         if device.type == "cuda":
             slots = slots.pin_memory()
         slots = slots.to(device, non_blocking=True)
-        self._mark("compose")
+        self._timer.mark("compose")
         for index, layer in layers.items():
             expected = (count, layer.num_kv_heads, layer.head_size)
             if tuple(keys[index].shape) != expected:
                 raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
         self._stats.add("tokens_loaded", count)
-        self._mark("write")
+        self._timer.mark("write")
 
 
 def _done_future(result: Any) -> Future:

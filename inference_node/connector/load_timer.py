@@ -1,0 +1,77 @@
+"""Per-load timing for benchmarks, chosen once when the worker role is built (`load_timer`), so that the engine path
+never asks whether it is being measured.
+
+`UNTIMED` (serving) does nothing. `JsonLinesLoadTimer` (`NodeSettings.load_stats_path`) synchronizes the device at
+each reading, so a phase's time is its device work too, and appends one JSON line per load staged from the node
+cache: request_id, tokens, chunks, ms (= stage_ms + compose_ms + write_ms), node_cache_misses, stage_ms, compose_ms,
+write_ms. An async load's two halves are timed apart (staging in start_load_kv, composing and writing in
+get_finished): the engine steps between them are not the connector's. Loads that fetched are not recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Protocol
+
+import torch
+
+from inference_node.connector.metadata import LoadSpec
+from inference_node.settings import NodeSettings
+
+
+class LoadTimer(Protocol):
+    def now(self) -> float:
+        """A reading (seconds) to measure a phase from."""
+        ...
+
+    def mark(self, phase: str) -> None:
+        """The load being written ended `phase` ("compose", then "write")."""
+        ...
+
+    def record(self, spec: LoadSpec, staging_ms: float, write_started: float, node_cache_misses: int) -> None:
+        """One load's own work: its staging, then composing and writing from `write_started` to its marks."""
+        ...
+
+
+def load_timer(settings: NodeSettings) -> LoadTimer:
+    """The timer the node's settings ask for."""
+    return JsonLinesLoadTimer(settings.load_stats_path) if settings.load_stats_path else UNTIMED
+
+
+class Untimed:
+    def now(self) -> float:
+        return 0.0
+
+    def mark(self, phase: str) -> None:
+        return
+
+    def record(self, spec: LoadSpec, staging_ms: float, write_started: float, node_cache_misses: int) -> None:
+        return
+
+
+UNTIMED = Untimed()
+
+
+class JsonLinesLoadTimer:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._phase_ends: dict[str, float] = {}
+
+    def now(self) -> float:
+        """The time after the device finished the work launched so far."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        self._phase_ends[phase] = self.now()
+
+    def record(self, spec: LoadSpec, staging_ms: float, write_started: float, node_cache_misses: int) -> None:
+        ends = self._phase_ends
+        compose_ms, write_ms = (ends["compose"] - write_started) * 1000, (ends["write"] - ends["compose"]) * 1000
+        record = {"request_id": spec.request_id, "tokens": spec.end - spec.start, "chunks": len(spec.chunks),
+                  "ms": staging_ms + compose_ms + write_ms, "node_cache_misses": node_cache_misses,
+                  "stage_ms": staging_ms, "compose_ms": compose_ms, "write_ms": write_ms}
+        with open(self.path, "a") as stats_file:
+            stats_file.write(json.dumps(record) + "\n")
