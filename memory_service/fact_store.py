@@ -117,14 +117,14 @@ def _stored_fact(row: dict) -> StoredFact:
 class FactStore:
     """Facts and turns of all users in two LanceDB tables keyed by (user_id, fact_id|turn_id).
 
-    Writes follow the per-user write protocol (`writes`) and are committed one at a time per process; reads run
+    Writes follow the per-user write protocol (`user_writes`) and are committed one at a time per process; reads run
     concurrently. Acknowledged writes are committed to the store. `open` before use.
     """
 
-    def __init__(self, location: StoreLocation, writes: UserWrites, store_meta: StoreMeta, embedding_model: str,
+    def __init__(self, location: StoreLocation, user_writes: UserWrites, store_meta: StoreMeta, embedding_model: str,
                  embedding_dim: int, lancedb_cache_bytes: int = 128 << 20) -> None:
         self._location = location
-        self._writes = writes
+        self._user_writes = user_writes
         self._store_meta = store_meta
         self._embedding_model = embedding_model
         self._dim = embedding_dim
@@ -146,7 +146,7 @@ class FactStore:
             self._location.local_dir.mkdir(parents=True, exist_ok=True)
         # Replicas sharing the store see each other's commits: every read checks for a newer table version.
         db = await lancedb.connect_async(self._location.lancedb_uri, storage_options=self._location.lancedb_options,
-                                         read_consistency_interval=timedelta(0) if self._writes.shared else None,
+                                         read_consistency_interval=timedelta(0) if self._user_writes.shared else None,
                                          session=self._lancedb_session)
         existing = set((await db.list_tables()).tables)
         self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
@@ -253,7 +253,7 @@ class FactStore:
         """fact_id -> (content_hash, version, created_at_us) for the ids the user has: from the user's cached facts
         when cached and current as of the write (callers hold the user's write lock), else from LanceDB (a filtered
         scan, which takes its CPU from concurrent queries)."""
-        cached = self._writes.current_copy(user_id, ticket)
+        cached = self._user_writes.current_copy(user_id, ticket)
         if cached is not None:
             return cached.versions(set(fact_ids))
         rows = await (
@@ -274,7 +274,7 @@ class FactStore:
         the users under `tenant_quota`'s prefix past its fact count (checked per call under the user's lock: calls
         for different users of one tenant racing each other can overshoot it by one batch each).
         """
-        async with self._writes.write(user_id) as ticket:
+        async with self._user_writes.write(user_id) as ticket:
             existing = await self._existing_fact_versions(user_id, [fact.fact_id for fact in facts], ticket)
             results: list[IngestResult] = []
             to_write: list[tuple[NewFact, int, int]] = []
@@ -284,7 +284,7 @@ class FactStore:
                 previous = existing.get(fact.fact_id)
                 if previous is None:
                     if first_version is None:
-                        first_version = await self._writes.first_version(user_id)
+                        first_version = await self._user_writes.first_version(user_id)
                     results.append(IngestResult(fact.fact_id, first_version, IngestOutcome.CREATED))
                     to_write.append((fact, first_version, now))
                 elif previous[0] == fact.content_hash:
@@ -323,7 +323,7 @@ class FactStore:
                 ]
                 await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)),
                                    all_new=len(to_write) == created)
-                self._writes.committed(user_id, [fact_row(record) for record in records], vectors, ticket)
+                self._user_writes.committed(user_id, [fact_row(record) for record in records], vectors, ticket)
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -335,7 +335,7 @@ class FactStore:
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
         LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user)."""
-        cached = await self._writes.read(user_id, self._user_facts)
+        cached = await self._user_writes.read(user_id, self._user_facts)
         if cached is not None:
             return cached.top_k(query_vector, top_k)
         rows = await (
@@ -379,33 +379,33 @@ class FactStore:
 
     async def delete_facts(self, user_id: str, fact_ids: Sequence[str]) -> list[str]:
         """Deletes the given facts; returns the ids that existed."""
-        async with self._writes.write(user_id) as ticket:
+        async with self._user_writes.write(user_id) as ticket:
             versions = await self._existing_fact_versions(user_id, fact_ids, ticket)
             found = list(versions)
             if found:
-                await self._writes.retire_versions(user_id, max(version for _, version, _ in versions.values()))
+                await self._user_writes.retire_versions(user_id, max(version for _, version, _ in versions.values()))
                 async with self._commit_lock:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
                     self._writes_since_optimize += 1
-                self._writes.dropped(user_id)
+                self._user_writes.dropped(user_id)
             return found
 
     async def delete_user(self, user_id: str) -> tuple[int, int]:
         """Deletes all of a user's facts and turns; returns (facts, turns) deleted."""
         condition = f"user_id = '{user_id}'"
-        async with self._writes.write(user_id):
+        async with self._user_writes.write(user_id):
             facts = await self._facts_table.count_rows(condition)
             turns = await self._turns_table.count_rows(condition)
             if facts:
                 versions = await self._facts_table.query().where(condition).select(["version"]).to_arrow()
-                await self._writes.retire_versions(user_id, pc.max(versions.column("version")).as_py())
+                await self._user_writes.retire_versions(user_id, pc.max(versions.column("version")).as_py())
             async with self._commit_lock:
                 if facts:
                     await self._facts_table.delete(condition)
                 if turns:
                     await self._turns_table.delete(condition)
                 self._writes_since_optimize += 1
-            self._writes.dropped(user_id)
+            self._user_writes.dropped(user_id)
             return facts, turns
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:
@@ -450,7 +450,7 @@ class FactStore:
             ],
             schema=TURNS_SCHEMA,
         )
-        async with self._writes.write(user_id, changes_facts=False):
+        async with self._user_writes.write(user_id, changes_facts=False):
             await self._commit(self._turns_table, rows)
         return len(turns)
 

@@ -133,7 +133,7 @@ class _KvCollector(Collector):
                                        "for fact KV (LanceDB's own are not counted)")
         requests.add_metric([], getattr(self._kv_store.durable, "requests", 0))
         yield requests
-        corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "disk blobs that failed their checksum")
+        corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "durable-tier blobs that failed their checksum")
         corrupt.add_metric([], self._kv_store.corrupt_blobs)
         yield corrupt
         queue = GaugeMetricFamily("inferscale_kv_queue_facts", "facts in the KV pipeline by profile and state",
