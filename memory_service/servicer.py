@@ -248,7 +248,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         lease_request = LeaseRequest(
             worker_id=validate_id(request.worker_id, "worker_id"),
             profile_id=validate_id(request.profile_id, "profile_id"),
-            max_facts=int(validate_non_negative(request.max_facts, "max_facts")),
+            max_facts=validate_non_negative(request.max_facts, "max_facts"),
             lease_seconds=validate_non_negative(request.lease_seconds, "lease_seconds"),
             facts_per_second=validate_rate(request.facts_per_second, "facts_per_second"),
             device=_worker_device(request),

@@ -11,7 +11,7 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -210,7 +210,10 @@ def decode_page_token(token: str) -> str:
         raise InvalidArgument("page_token", "is not a token returned by ListFacts") from None
 
 
-def validate_non_negative(value: float, field: str) -> float:
+Number = TypeVar("Number", int, float)
+
+
+def validate_non_negative(value: Number, field: str) -> Number:
     if value < 0:
         raise InvalidArgument(field, "must not be negative")
     return value
