@@ -80,6 +80,9 @@ class ProfileKvCounts:
 
 
 class KvPipeline:
+    """Fact KV from queue to node: what the RPCs of profiles, workers and nodes do with KV (blocking calls on
+    memory_service.blocking's threads)."""
+
     def __init__(self, fact_store: FactStore, kv_store: TieredKvStore, profile_registry: ProfileRegistry,
                  work_queue: KvWorkQueue, kv_index: KvIndex, worker_registry: WorkerRegistry, lease_max_facts: int,
                  lease_seconds: float) -> None:

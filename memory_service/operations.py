@@ -104,6 +104,8 @@ class ServiceStats:
 
 
 class MemoryOperations:
+    """One method per RPC; raises the domain errors of memory_service.errors (the rpc wrapper maps them)."""
+
     def __init__(self, fact_store: FactStore, kv_pipeline: KvPipeline, kv_store: TieredKvStore, embedder: Embedder,
                  metrics: ServiceMetrics, limits: Limits) -> None:
         self._fact_store = fact_store
