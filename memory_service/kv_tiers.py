@@ -1,5 +1,6 @@
-"""KV tiers: one small interface (contains, get, put, remove, pin/unpin) over GPU memory, host memory and disk,
-with eviction and admission as separate policies.
+"""KV tiers: one small interface (contains, get, put, remove, pin/unpin) over GPU memory, host memory and the
+durable tier (a directory here, or an object store: memory_service.object_store), with eviction and admission as
+separate policies.
 
 Tiers store opaque, checksummed KV blobs (inferscale_kv.blob). Tiers are not thread-safe on their own:
 TieredKvStore serializes access.
@@ -12,9 +13,10 @@ import re
 import tempfile
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -64,7 +66,7 @@ class KvTier(ABC):
         self.eviction = eviction
         self.admission = admission
         self.stats = TierStats()
-        self._pinned: set[KvKey] = set()
+        self._pinned: set[Hashable] = set()  # KvKeys, typed as the eviction policy takes them
         self.on_evict: Callable[[KvKey], None] = lambda key: None
 
     @abstractmethod
@@ -99,7 +101,7 @@ class KvTier(ABC):
         self.remove(key)
         overflow = self.stats.bytes + len(blob) - self.budget_bytes
         if overflow > 0:
-            victims = self.eviction.victims(overflow, self._pinned)
+            victims = cast(list[KvKey], self.eviction.victims(overflow, self._pinned))  # keys it was given
             if sum(self._size_of(victim) for victim in victims) < overflow:
                 return False
             for victim in victims:
@@ -189,7 +191,7 @@ def blob_name(key: KvKey) -> str:
 
 
 def key_of_blob_name(name: str) -> KvKey | None:
-    """The key a blob name names; None for names of another layout (older releases)."""
+    """The key a blob name names; None for a name that is not a blob's."""
     parts = name.split("/")
     if len(parts) != 3 or not parts[2].endswith(BLOB_SUFFIX):
         return None
@@ -201,16 +203,23 @@ def key_of_blob_name(name: str) -> KvKey | None:
                  int(version), content)
 
 
-class DiskTier(KvTier):
-    """Durable tier: one file per blob, written atomically (temp file, fsync, rename). Reads verify the
-    blob's checksum: a torn or corrupted file is deleted and reported through `on_corrupt`, never returned.
-    Survives restarts: existing files are found again at start (oldest first in LRU order)."""
+class DurableTier(KvTier):
+    """The tier every stored blob is written to first, which survives restarts. Reads verify each blob's checksum
+    and key: a torn or corrupted blob is deleted and reported through `on_corrupt`, never returned."""
+
+    def __init__(self, name: str, budget_bytes: int, eviction: EvictionPolicy, admission: AdmissionPolicy) -> None:
+        super().__init__(name, budget_bytes, eviction, admission)
+        self.on_corrupt: Callable[[KvKey], None] = lambda key: None
+
+
+class DiskTier(DurableTier):
+    """Durable tier in a local directory: one file per blob, written atomically (temp file, fsync, rename).
+    Existing files are found again at start (oldest first in LRU order); files not named like blobs are removed."""
 
     def __init__(self, root: Path, budget_bytes: int, eviction: EvictionPolicy, admission: AdmissionPolicy) -> None:
         super().__init__("disk", budget_bytes, eviction, admission)
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
-        self.on_corrupt: Callable[[KvKey], None] = lambda key: None
         self._sizes: dict[KvKey, int] = {}
         self._restore()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from inferscale_kv.blob import CorruptKvBlob, read_kv_header
 from inferscale_kv.eviction import LruEviction
 from inferscale_kv.kv_key import KvKey
-from memory_service.kv_tiers import AdmitAll, DiskTier, KvTier, blob_name, key_of_blob_name
+from memory_service.kv_tiers import AdmitAll, DiskTier, DurableTier, blob_name, key_of_blob_name
 
 _S3_URI = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*?))?/?")
 
@@ -82,16 +82,18 @@ class StoreLocation:
 
     @property
     def lancedb_uri(self) -> str:
-        return f"s3://{self.bucket}/{self._key('lancedb')}" if self.shared else str(self.local_dir / "lancedb")
+        if self.local_dir is None:
+            return f"s3://{self.bucket}/{self._key('lancedb')}"
+        return str(self.local_dir / "lancedb")
 
     @property
     def lancedb_options(self) -> dict[str, str] | None:
         return self.s3.storage_options() if self.shared else None
 
-    def durable_kv_tier(self, disk_budget_bytes: int) -> KvTier:
-        """The tier every stored blob is written to first: files under <dir>/kv/blobs, or objects under
-        <prefix>/kv/ (unbounded: the bucket is the limit)."""
-        if self.shared:
+    def durable_kv_tier(self, disk_budget_bytes: int) -> DurableTier:
+        """The tier every stored blob is written to first: files under <dir>/kv/blobs (within `disk_budget_bytes`),
+        or objects under <prefix>/kv/ (unbounded: the bucket is the limit)."""
+        if self.local_dir is None:
             return ObjectStoreTier(self.s3.client(), self.bucket, self._key("kv"))
         return DiskTier(self.local_dir / "kv" / "blobs", disk_budget_bytes, LruEviction(), AdmitAll())
 
@@ -99,10 +101,9 @@ class StoreLocation:
         return f"s3://{self.bucket}/{self.prefix}" if self.shared else str(self.local_dir)
 
 
-class ObjectStoreTier(KvTier):
+class ObjectStoreTier(DurableTier):
     """Durable tier in a bucket shared by every replica: one object per blob, named like the disk tier's files.
-    It never evicts (its budget is the bucket's); reads verify the blob's checksum and key, and a corrupt object is
-    deleted and reported through `on_corrupt`. Its counters are this replica's traffic, not the bucket's content
+    It never evicts (its budget is the bucket's). Its counters are this replica's traffic, not the bucket's content
     (other replicas write it too). `requests` counts the calls made to the store."""
 
     def __init__(self, client, bucket: str, prefix: str) -> None:
@@ -110,7 +111,6 @@ class ObjectStoreTier(KvTier):
         self._client = client
         self.bucket = bucket
         self.prefix = prefix
-        self.on_corrupt = lambda key: None
         self.requests = 0
 
     def _object(self, key: KvKey) -> str:

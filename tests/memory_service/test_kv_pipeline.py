@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.kv_key import content_id
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
+from inferscale_kv.kv_key import content_id
 from inferscale_kv.profile import kv_profile_id
-from harness.memory_service import MemoryServiceProcess
 
 
 def _profile(model: str) -> pb.KvProfile:
@@ -110,7 +110,8 @@ def test_completed_kv_is_ready_with_token_ids_and_fetchable(stub) -> None:
     assert retrieved.staging.handle_id.startswith("stg-") and retrieved.staging.expires_at.seconds > 0
     f1 = next(f for f in retrieved.facts if f.fact_id == "f1")
     fetched = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
-                                                  facts=[pb.FactRef(fact_id="f1", version=1, content_id=f1.content_id)])))
+                                                  facts=[pb.FactRef(fact_id="f1", version=1,
+                                                                    content_id=f1.content_id)])))
     assert decode_kv_blob(fetched[0].blob).header.fact_id == "f1"
     unnamed = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
                                                   facts=[pb.FactRef(fact_id="f1", version=1)])))

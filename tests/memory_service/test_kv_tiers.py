@@ -5,7 +5,7 @@ import torch
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.eviction import LruEviction
 from inferscale_kv.kv_key import KvKey, content_id, header_key
-from memory_service.coordination import CoordinationStore
+from memory_service.coordination import Coordination
 from memory_service.kv_store import KvStoreBudgets, TieredKvStore
 from memory_service.kv_tiers import AdmitAll, AdmitBelowFraction, DiskTier, MemoryTier
 from memory_service.sql import SqliteDatabase
@@ -26,10 +26,13 @@ def _blob(key: KvKey, tokens: int = 4) -> bytes:
 BLOB_SIZE = len(_blob(_key(0)))
 
 
-def _tiered(root, budgets: KvStoreBudgets) -> TieredKvStore:
+def _tiered(root, budgets: KvStoreBudgets) -> tuple[TieredKvStore, Coordination]:
     """The embedded layout: the index in <root>/index.sqlite, blobs under <root>/blobs."""
-    index = CoordinationStore(SqliteDatabase(root / "index.sqlite"))
-    return TieredKvStore(index, DiskTier(root / "blobs", budgets.disk_bytes, LruEviction(), AdmitAll()), budgets)
+    coordination = Coordination.open(SqliteDatabase(root / "index.sqlite"))
+    durable = DiskTier(root / "blobs", budgets.disk_bytes, LruEviction(), AdmitAll())
+    store = TieredKvStore(coordination.kv_index, coordination.work_queue, coordination.user_records, durable, budgets,
+                          shared=False)
+    return store, coordination
 
 
 def test_memory_tier_evicts_least_recently_used_and_stays_within_budget() -> None:
@@ -104,7 +107,7 @@ def test_disk_tier_restores_its_entries_after_restart(tmp_path) -> None:
 
 
 def test_store_promotes_a_disk_hit_into_the_host_tier(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
     host, disk = store.tiers
     for index in range(21):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
@@ -115,7 +118,7 @@ def test_store_promotes_a_disk_hit_into_the_host_tier(tmp_path) -> None:
 
 
 def test_promote_reads_from_disk_only_what_no_memory_tier_holds(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
     host, disk = store.tiers
     for index in range(21):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
@@ -127,56 +130,56 @@ def test_promote_reads_from_disk_only_what_no_memory_tier_holds(tmp_path) -> Non
 
 
 def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
-    store.index.add_profile("kvp-test", {})
-    store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
+    store, coordination = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
+    coordination.profile_registry.add("kvp-test", {})
+    coordination.work_queue.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
     store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
-    assert store.index.counts("kvp-test").done == 1
-    store.disk.path(_key(0)).write_bytes(b"garbage")
+    assert coordination.kv_index.stored("kvp-test").done == 1
+    store.durable.path(_key(0)).write_bytes(b"garbage")
     assert store.get(_key(0)) is None
-    counts = store.index.counts("kvp-test")
-    assert (counts.done, counts.queued) == (0, 1)
+    assert (coordination.kv_index.stored("kvp-test").done, coordination.work_queue.counts("kvp-test").queued) == (0, 1)
     assert store.corrupt_blobs == 1
 
 
 def test_disk_eviction_forgets_the_index_entry_and_every_tiers_copy(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=100 * BLOB_SIZE, disk_bytes=2 * BLOB_SIZE))
+    store, coordination = _tiered(tmp_path, KvStoreBudgets(host_bytes=100 * BLOB_SIZE, disk_bytes=2 * BLOB_SIZE))
     for index in range(3):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
-    assert store.index.entry("kvp-test", "u1", "fact-0") is None
+    assert coordination.kv_index.entry("kvp-test", "u1", "fact-0") is None
     assert not any(tier.contains(_key(0)) for tier in store.tiers)  # no unservable copy left in memory
-    assert store.index.entry("kvp-test", "u1", "fact-2").key == _key(2)
+    assert coordination.kv_index.entry("kvp-test", "u1", "fact-2").key == _key(2)
 
 
 def test_header_kv_is_pinned_in_every_tier_also_after_restart(tmp_path) -> None:
     """Regression: the header was evicted from the disk tier first (it is never read there)."""
     budgets = KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=3 * BLOB_SIZE)  # the host admits one blob per put
-    store = _tiered(tmp_path, budgets)
+    store, coordination = _tiered(tmp_path, budgets)
     header = header_key("kvp-test", range(4))
     store.put(header, _blob(header), token_ids=list(range(4)), lease_id=None)
     for index in range(14):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
     assert all(tier.contains(header) for tier in store.tiers)
-    assert store.index.header_entry("kvp-test").key == header
-    store.close()
-    reopened = _tiered(tmp_path, budgets)
+    assert coordination.kv_index.header_entry("kvp-test").key == header
+    coordination.database.close()
+    reopened, _ = _tiered(tmp_path, budgets)
     for index in range(6, 9):
         reopened.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
-    assert reopened.disk.contains(header) and reopened.get(header) == _blob(header)
+    assert reopened.durable.contains(header) and reopened.get(header) == _blob(header)
 
 
 def test_a_lost_header_is_not_queued_as_a_fact(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=10 * BLOB_SIZE))
+    store, coordination = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=10 * BLOB_SIZE))
     header = header_key("kvp-test", range(4))
     store.put(header, _blob(header), token_ids=list(range(4)), lease_id=None)
-    store.disk.path(header).write_bytes(b"garbage")
+    store.durable.path(header).write_bytes(b"garbage")
     assert store.get(header) is None
-    assert store.index.header_entry("kvp-test") is None  # LeaseKvWork now asks workers for it (header_kv_wanted)
-    assert store.index.all_jobs() == []
+    # LeaseKvWork now asks workers for it (header_kv_wanted)
+    assert coordination.kv_index.header_entry("kvp-test") is None
+    assert coordination.work_queue.all_jobs() == []
 
 
 def test_get_serves_only_what_the_index_lists_under_exactly_that_key(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=10 * BLOB_SIZE))
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=10 * BLOB_SIZE))
     store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
     other_content = KvKey("kvp-test", "u1", "fact-0", 1, "f" * 32)
     assert store.get(other_content) is None
@@ -185,32 +188,32 @@ def test_get_serves_only_what_the_index_lists_under_exactly_that_key(tmp_path) -
 
 
 def test_a_completion_counts_only_under_the_lease_that_holds_the_job(tmp_path) -> None:
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=10 * BLOB_SIZE))
-    store.index.add_profile("kvp-test", {})
-    store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
-    lease_id, _, jobs = store.index.lease("kvp-test", 10, 60)
+    store, coordination = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=10 * BLOB_SIZE))
+    coordination.profile_registry.add("kvp-test", {})
+    coordination.work_queue.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
+    lease_id, _, jobs = coordination.work_queue.lease("kvp-test", 10, 60)
     assert len(jobs) == 1
     assert not store.put(_key(0), _blob(_key(0)), [1, 2, 3, 4], lease_id="another-lease")
-    assert not store.disk.contains(_key(0)) and store.index.entry("kvp-test", "u1", "fact-0") is None
+    assert not store.durable.contains(_key(0)) and coordination.kv_index.entry("kvp-test", "u1", "fact-0") is None
     store.forget("u1", ["fact-0"])  # deleted while leased: the lease no longer holds a job
     assert not store.put(_key(0), _blob(_key(0)), [1, 2, 3, 4], lease_id=lease_id)
-    assert list(store.disk.keys()) == [] and store.index.all_entry_keys() == []
+    assert list(store.durable.keys()) == [] and coordination.kv_index.all_entry_keys() == []
 
 
 def test_a_late_completion_of_a_stored_key_leaves_its_blob_servable(tmp_path) -> None:
     """Regression: a lease that expired and was completed by another worker, completing late with the same key
     (the same context, so the same content id), removed the stored file while the index kept listing it."""
-    store = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=10 * BLOB_SIZE))
-    store.index.add_profile("kvp-test", {})
-    store.index.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
-    late_lease, _, _ = store.index.lease("kvp-test", 10, 0.0)  # expires at once: the job is leased again
-    lease_id, _, jobs = store.index.lease("kvp-test", 10, 60)
+    store, coordination = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=10 * BLOB_SIZE))
+    coordination.profile_registry.add("kvp-test", {})
+    coordination.work_queue.enqueue(["kvp-test"], [("u1", "fact-0", 1)])
+    late_lease, _, _ = coordination.work_queue.lease("kvp-test", 10, 0.0)  # expires at once: the job is leased again
+    lease_id, _, jobs = coordination.work_queue.lease("kvp-test", 10, 60)
     assert len(jobs) == 1
     blob = _blob(_key(0))
     assert store.put(_key(0), blob, [1, 2, 3, 4], lease_id=lease_id)
     assert not store.put(_key(0), blob, [1, 2, 3, 4], lease_id=late_lease)
     assert not store.put(_key(0), blob, [1, 2, 3, 4], lease_id=lease_id)  # a retried completion
-    assert store.get(_key(0)) == blob and store.disk.contains(_key(0))
+    assert store.get(_key(0)) == blob and store.durable.contains(_key(0))
 
 
 def test_disk_tier_drops_files_of_an_older_layout_at_start(tmp_path) -> None:

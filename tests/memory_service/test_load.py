@@ -28,13 +28,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.memory_service import MemoryServiceProcess
+from harness.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.profile import kv_profile_id
 from memory_service.config import ServiceConfig
-from harness.memory_service import MemoryServiceProcess
-from harness.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
@@ -105,7 +105,8 @@ def _user(index: int) -> str:
 
 
 def _fact_text(user_index: int, fact_index: int, rng: random.Random) -> str:
-    return f"<u{user_index:05d}> fact {fact_index}: enjoys {rng.choice(TOPICS)} on {rng.choice(['weekends', 'evenings'])}"
+    topic = rng.choice(TOPICS)
+    return f"<u{user_index:05d}> fact {fact_index}: enjoys {topic} on {rng.choice(['weekends', 'evenings'])}"
 
 
 def _profile() -> pb.KvProfile:
@@ -244,7 +245,8 @@ def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: floa
     # One replica runs on the defaults. Replicas each take a third of the import, below the default compaction
     # trigger, so each compacts after every half of its share: at most half of it is left unindexed when the
     # warm-up starts (the wait below sees each replica's first compaction).
-    optimize_after_writes = ServiceConfig.optimize_after_writes if replicas == 1 else max(1, shape.users // replicas // 2)
+    optimize_after_writes = (ServiceConfig.optimize_after_writes if replicas == 1
+                             else max(1, shape.users // replicas // 2))
     flags = [] if replicas == 1 else ["--optimize-after-writes", str(optimize_after_writes)]
     with memory_service_replicas(tmp_path, replicas, "--embedding-threads", threads, *flags, shared=replicas > 1,
                                  bucket="load") as deployed:
