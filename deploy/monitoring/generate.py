@@ -23,7 +23,7 @@ RULES_SOURCE = HERE / "alerts.rules.yaml"
 PROMETHEUS_RULE = HERE / "prometheusrule.yaml"
 DASHBOARDS_DIR = HERE / "dashboards"
 
-# Grafana 10.4 and 11 write this version; older ones down to 9 import it as well.
+# The dashboard schema Grafana 10.4 and 11 write.
 SCHEMA_VERSION = 39
 GRID_WIDTH = 24
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -229,7 +229,8 @@ MEMORY_SERVICE = Dashboard(
             Panel("Batch sizes",
                   "Mean queries embedded together in one model call, and mean facts per IngestFacts call.", "short",
                   (Query(f"sum(rate(inferscale_query_embedding_batch_queries_sum[{RATE}])) / "
-                         f"sum(rate(inferscale_query_embedding_batch_queries_count[{RATE}]))", "queries per model call"),
+                         f"sum(rate(inferscale_query_embedding_batch_queries_count[{RATE}]))",
+                         "queries per model call"),
                    Query(f"sum(rate(inferscale_ingest_batch_facts_sum[{RATE}])) / "
                          f"sum(rate(inferscale_ingest_batch_facts_count[{RATE}]))", "facts per IngestFacts"))),
         )),
@@ -404,7 +405,8 @@ def _thresholds(panel: Panel) -> dict[str, Any]:
 
 
 def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
-    defaults: dict[str, Any] = {"unit": panel.unit, "thresholds": _thresholds(panel), "color": {"mode": "palette-classic"}}
+    defaults: dict[str, Any] = {"unit": panel.unit, "thresholds": _thresholds(panel),
+                                "color": {"mode": "palette-classic"}}
     if panel.ratio:
         defaults.update(min=0, max=1)
     if panel.stat:
