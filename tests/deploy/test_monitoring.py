@@ -7,6 +7,7 @@ processes: test_monitoring_live.py."""
 from __future__ import annotations
 
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,16 @@ def test_every_alert_has_a_severity_a_summary_and_says_what_to_look_at_first():
     assert {"inferscale_kv_queue_lag_seconds", "inferscale_connector_load_failures_total",
             "inferscale_connector_plans_refused_total", "inferscale_rpc_requests_total",
             "inferscale_node_stage_seconds_bucket", "inferscale_node_retrieve_errors_total", "up"} <= named
+
+
+def test_latency_thresholds_follow_the_node_default_deadline():
+    from inference_node.__main__ import build_parser
+
+    deadline = build_parser().get_default("retrieve_timeout_s")
+    generate = runpy.run_path(str(MONITORING / "generate.py"), run_name="deploy_monitoring_generate")
+    assert deadline == generate["DEADLINE_S"]
+    slow = next(rule for rule in alert_rules() if rule["alert"] == "InferScaleRetrieveAndStageSlow")
+    assert slow["expr"].endswith(f"> {deadline / 2:g}")
 
 
 def test_promtool_unit_tests_fire_and_stay_quiet_for_every_alert(tmp_path: Path):
