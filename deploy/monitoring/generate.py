@@ -87,9 +87,9 @@ def _quantiles(metric: str, by: str = "", quantiles: tuple[float, ...] = (0.5, 0
 def _ratio(numerator: str, denominator: str, by: str = "") -> str:
     """numerator / denominator of two counters' rates; 0 where the denominator moves and the numerator has no series
     (an error code that never occurred), no value where neither moves."""
-    group = f" by ({by})" if by else ""
-    top = f"sum{group} (rate({numerator}[{RATE}]))"
-    bottom = f"sum{group} (rate({denominator}[{RATE}]))"
+    group = f" by ({by}) " if by else ""
+    top = f"sum{group}(rate({numerator}[{RATE}]))"
+    bottom = f"sum{group}(rate({denominator}[{RATE}]))"
     return f"({top} or {bottom} * 0) / {bottom}"
 
 
