@@ -24,7 +24,10 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# The monitoring tests run a real Prometheus and promtool: Debian's package, installed when missing (as root).
 test: lint
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 	$(PY) -m pytest
 
 # The long load test (200 RetrieveAndStage callers for 60 s on 1,000 users x 100 facts, ongoing ingest, isolation
