@@ -47,10 +47,12 @@ from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Service counters that tell the KV work behind the calls (summed over their labels unless a label is named).
-WORK_COUNTERS = {
-    "durable_lookups": ("inferscale_kv_tier_lookups", {"tier": ("disk", "object-store", "durable")}),
-    "kv_bytes_read": ("inferscale_kv_bytes_read", {}),
-    "staging_promotions": ("inferscale_kv_staging_promotions", {}),
+DURABLE_TIERS = ("disk", "object-store")
+WORK_COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "durable_lookups": ("inferscale_kv_tier_lookups", {"tier": DURABLE_TIERS}),
+    "durable_bytes_read": ("inferscale_kv_bytes_read", {"tier": DURABLE_TIERS}),
+    "host_bytes_read": ("inferscale_kv_bytes_read", {"tier": ("host",)}),
+    "bytes_served": ("inferscale_kv_bytes_served", {}),
 }
 
 
@@ -97,17 +99,23 @@ def service_counters(metrics_port: int) -> dict[str, float]:
 
 
 async def closed_loop(stub: memory_pb2_grpc.MemoryServiceStub, requests: list[pb.RetrieveAndStageRequest],
-                      callers: int, duration_s: float, k: int, fetch: bool, seed: int) -> PhaseResult:
+                      callers: int, duration_s: float, k: int, fetch: bool, seed: int,
+                      calls_per_caller: int | None = None, timeout_s: float = 60.0) -> PhaseResult:
+    """`callers` concurrent callers, each sending its next call when the last one answered, for `duration_s` (or
+    `calls_per_caller` calls each, whichever ends first); a call past `timeout_s` counts as one that lost its
+    memory."""
     result = PhaseResult(callers)
     deadline = time.monotonic() + duration_s
 
     async def caller(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
-        while time.monotonic() < deadline:
+        for _ in range(calls_per_caller) if calls_per_caller is not None else iter(int, 1):
+            if time.monotonic() >= deadline:
+                break
             request = rng.choice(requests)
             started = time.perf_counter()
             try:
-                response = await stub.RetrieveAndStage(request, timeout=60)
+                response = await stub.RetrieveAndStage(request, timeout=timeout_s)
                 if fetch:
                     await fetch_facts(stub, request, response)
             except grpc.aio.AioRpcError as error:
@@ -156,6 +164,23 @@ def query_vectors(texts: list[str]) -> tuple[list[list[float]], str]:
         return vectors, model_id
 
     return asyncio.run(embed_all())
+
+
+def retrieval_requests(users: list[str], questions: list[str], profile: pb.KvProfile, k: int,
+                       vectors: list[list[float]], model_id: str) -> list[pb.RetrieveAndStageRequest]:
+    """One RetrieveAndStage request per user and question, as a node of `profile` sends it (with the query's vector
+    when `vectors` holds them, else its text)."""
+    requests = []
+    for user in users:
+        for index, question in enumerate(questions):
+            request = pb.RetrieveAndStageRequest(user_id=user, top_k=k, node_id="bench-node", profile=profile)
+            if vectors:
+                request.query_vector.extend(vectors[index])
+                request.embedding_model_id = model_id
+            else:
+                request.query = question
+            requests.append(request)
+    return requests
 
 
 def populate(service: MemoryServiceProcess, model_dir: Path, users: list[str], facts_per_user: int, clauses: int,
@@ -217,17 +242,8 @@ def main() -> None:
         try:
             populate(service, model_dir, users, args.facts_per_user, args.fact_clauses, args.kv_dtype, env)
             vectors, model_id = query_vectors(questions) if args.caller_embeds else ([], "")
-            requests = []
-            for user in users:
-                for index, question in enumerate(questions):
-                    request = pb.RetrieveAndStageRequest(user_id=user, top_k=args.k, node_id="bench-node",
-                                                         profile=pb.KvProfile(**profile.as_dict()))
-                    if vectors:
-                        request.query_vector.extend(vectors[index])
-                        request.embedding_model_id = model_id
-                    else:
-                        request.query = question
-                    requests.append(request)
+            requests = retrieval_requests(users, questions, pb.KvProfile(**profile.as_dict()), args.k, vectors,
+                                          model_id)
 
             async def run_phases() -> None:
                 async with grpc.aio.insecure_channel(service.address,
@@ -249,13 +265,14 @@ def main() -> None:
             asyncio.run(run_phases())
         finally:
             service.stop()
-    print("\n| callers | calls/s | p50 ms | p99 ms | kept | lost | KV bytes read/call | durable lookups/call |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| callers | calls/s | p50 ms | p99 ms | kept | lost | durable lookups/call | bytes read/call: durable | "
+          "host |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for phase in results["phases"]:
         work = phase["work_per_call"]
         print(f"| {phase['callers']} | {phase['calls_per_s']} | {phase['p50_ms']} | {phase['p99_ms']} | "
-              f"{phase['kept_memory']} | {phase['lost_memory']} | {work['kv_bytes_read']} | "
-              f"{work['durable_lookups']} |")
+              f"{phase['kept_memory']} | {phase['lost_memory']} | {work['durable_lookups']} | "
+              f"{work['durable_bytes_read']} | {work['host_bytes_read']} |")
     print(f"\nwritten: {args.output}")
 
 
