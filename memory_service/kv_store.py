@@ -131,6 +131,13 @@ class TieredKvStore:
             if not key.is_header:  # a lost header is asked of the next worker that leases (header_kv_wanted)
                 self.work_queue.enqueue([key.profile_id], [(key.user_id, key.fact_id, key.version)])
 
+    def _requeue_lost(self, key: KvKey) -> None:
+        """A read found no durable copy: if the index still lists the key (checked under the lock, after any forget
+        or eviction in progress has finished), the copy is lost and the fact computed again."""
+        with self._lock:
+            if self.listed([key]):
+                self._requeue_corrupt(key)
+
     # ------------------------------------------------------------------ reads
 
     def listed(self, keys: Sequence[KvKey]) -> set[KvKey]:
@@ -167,8 +174,8 @@ class TieredKvStore:
             return pending.result()
         try:
             blob = self.durable.get(key)
-            if blob is None and self.listed([key]):  # listed, yet the durable tier lost it: computed again
-                self._requeue_corrupt(key)
+            if blob is None:
+                self._requeue_lost(key)
             if blob is not None:
                 self._count_read(self.durable, blob)
                 with self._cache_lock:
