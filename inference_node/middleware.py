@@ -47,8 +47,10 @@ MODES = ("kv", "text", "off")
 SUMMARY_HEADER = b"x-inferscale-memory"
 
 REQUESTS = Counter("inferscale_node_memory_requests", "requests with a memory field, by mode", ["mode"])
-RETRIEVE_ERRORS = Counter("inferscale_node_retrieve_errors",
-                          "memory requests answered without memory because RetrieveAndStage failed")
+MEMORY_DROPPED = Counter("inferscale_node_memory_dropped", "memory requests answered without their memory because "
+                         "RetrieveAndStage failed, by reason (deadline: past --retrieve-timeout-s; unavailable: no "
+                         "replica answered; error: any other status)", ["reason"])
+_DROP_REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline", grpc.StatusCode.UNAVAILABLE: "unavailable"}
 FACTS_PLACED = Counter("inferscale_node_facts", "facts placed in prompts, by how", ["how"])
 CLIENT_PLANS_REFUSED = Counter("inferscale_node_client_plans_refused",
                                "client-sent kv_transfer_params and reserved cache salts removed from request bodies")
@@ -215,8 +217,11 @@ class MemoryMiddleware:
             response = await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
                                                    metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
-            RETRIEVE_ERRORS.inc()
-            summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)
+            # The one case a memory request is answered without its memory: counted, and said in the header.
+            reason = _DROP_REASONS.get(exc.code(), "error")
+            MEMORY_DROPPED.labels(reason=reason).inc()
+            summary.update(memory="dropped", reason=reason, error=f"memory service: {exc.code().name}", facts=0,
+                           injectable_tokens=0)
             return
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)

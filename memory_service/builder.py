@@ -34,16 +34,19 @@ log = structlog.get_logger(__name__)
 # On the embedded store they would queue for SQLite's one lock anyway, and more threads only contend there
 # (benchmarks/RESULTS.md, "Memory service under load"), so reads keep the event loop's default executor.
 READ_THREADS = 32
-# Threads for the blocking calls of the RPCs that write, and of the workers' KV traffic (memory_service.blocking).
-WRITE_THREADS, KV_WORK_THREADS = 8, 4
+# Threads for the blocking calls of the RPCs that write, of the workers' KV traffic, and of the nodes' KV fetches
+# (memory_service.blocking): each kind on threads of its own, never queued behind the request path's reads.
+WRITE_THREADS, KV_WORK_THREADS, KV_READ_THREADS = 8, 4, 8
 
 
 @dataclass(frozen=True)
 class Executors:
-    """Where the blocking calls of writes and of the workers' KV traffic run; reads use the event loop's default."""
+    """Where the blocking calls of writes, of the workers' KV traffic and of KV fetches run; the request path's reads
+    (search, KV index lookups) use the event loop's default."""
 
     writes: ThreadPoolExecutor
     kv_work: ThreadPoolExecutor
+    kv_reads: ThreadPoolExecutor
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ class ServiceBuilder:
         config = self.config
         if config.coordination_url:
             asyncio.get_running_loop().set_default_executor(self._threads(READ_THREADS, "read"))
-        executors = Executors(self._threads(WRITE_THREADS, "write"), self._threads(KV_WORK_THREADS, "kv-work"))
+        executors = Executors(self._threads(WRITE_THREADS, "write"), self._threads(KV_WORK_THREADS, "kv-work"),
+                              self._threads(KV_READ_THREADS, "kv-read"))
 
         embedder = Embedder(
             config.embedding_model, config.embedding_device, config.embedding_batch_size, config.embedding_threads,
@@ -106,7 +110,10 @@ class ServiceBuilder:
                                lancedb_cache_bytes=config.lancedb_cache_mb << 20)
         await fact_store.open()
 
-        budgets = KvStoreBudgets(gpu_bytes=config.kv_gpu_budget_mb << 20, host_bytes=config.kv_host_budget_mb << 20,
+        if config.kv_gpu_budget_mb:
+            log.warning("deprecated_option", option="--kv-gpu-budget-mb", reason="the service keeps no KV on a GPU: "
+                        "blobs leave it as bytes over gRPC; the node's cache is on the GPU (--node-cache-mb)")
+        budgets = KvStoreBudgets(host_bytes=config.kv_host_budget_mb << 20,
                                  disk_bytes=int(config.kv_disk_budget_gb * (1 << 30)))
         durable = await asyncio.to_thread(location.durable_kv_tier, budgets.disk_bytes)
         kv_store = await asyncio.to_thread(TieredKvStore, coordination.kv_index, coordination.work_queue,
@@ -122,7 +129,7 @@ class ServiceBuilder:
 
         self._maintain("store optimize", self._optimize_periodically(fact_store))
         if coordination.shared:
-            self._maintain("KV tier sweep", self._sweep_tiers_periodically(kv_store))
+            self._maintain("KV host cache sweep", self._sweep_host_cache_periodically(kv_store))
         self.service = Service(operations, embedder, executors)
         return self.service
 
@@ -180,13 +187,12 @@ class ServiceBuilder:
                 log.exception("store_optimize_failed")
             backoff_s = min(max(2 * backoff_s, 5.0), config.optimize_interval_s)
 
-    async def _sweep_tiers_periodically(self, kv_store: TieredKvStore) -> None:
-        """Replicas sharing a store: drops memory-tier KV that another replica deleted (the index no longer lists
-        it)."""
+    async def _sweep_host_cache_periodically(self, kv_store: TieredKvStore) -> None:
+        """Replicas sharing a store: drops cached KV that another replica deleted (the index no longer lists it)."""
         while True:
             await asyncio.sleep(self.config.tier_sweep_interval_s)
             try:
-                dropped = await asyncio.to_thread(kv_store.sweep_memory_tiers)
+                dropped = await asyncio.to_thread(kv_store.sweep_host_cache)
                 if dropped:
                     log.info("kv_tiers_swept", dropped=dropped)
             except Exception:  # maintenance must not take the service down

@@ -1,13 +1,12 @@
 """The KV pipeline: which facts need KV for which profile, leasing that work to precompute workers, accepting their
-uploads, and serving and staging stored KV. Wire-format free: the servicer translates messages, and its inputs are
+uploads, and serving stored KV. Wire-format free: the servicer translates messages, and its inputs are
 validated (memory_service.validation)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -25,7 +24,7 @@ from memory_service.models import AnnouncedProfile, KvUpload, StoredFact, Stored
 
 log = structlog.get_logger(__name__)
 
-# How long staged entries are expected to stay in the memory tier (LRU decides; this is what the handle promises).
+# How long a staging handle is meant to be used for: the facts it names may change (and their KV with them) after it.
 STAGING_TTL_S = 60.0
 
 
@@ -59,7 +58,8 @@ class CompletionCounts:
 
 @dataclass(frozen=True)
 class StagingHandle:
-    """What a RetrieveAndStage staged: the facts whose KV is ready and being promoted into the memory tiers."""
+    """What a RetrieveAndStage found ready: the facts whose KV a node may fetch (FetchKv); no bytes move before it
+    does."""
 
     handle_id: str
     fact_ids: list[str]
@@ -96,7 +96,6 @@ class KvPipeline:
         self._lease_max_facts = lease_max_facts
         self._lease_seconds = lease_seconds
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
-        self._staging: set[asyncio.Task] = set()  # background promotions started by `stage`
 
     # ------------------------------------------------------------------ profiles
 
@@ -227,26 +226,20 @@ class KvPipeline:
             self._work_queue.enqueue([profile_id], missing)
         return current
 
-    def stage(self, profile_id: str, user_id: str, node_id: str, ready: Sequence[KvEntry],
-              header: KvEntry | None) -> StagingHandle:
-        """Promotes the user's `ready` entries (and the profile's header) into the memory tiers in the background
-        (TieredKvStore.promote); the handle names what was staged for `node_id`."""
-        keys = ([header.key] if header else []) + [entry.key for entry in ready]
-        task = asyncio.get_running_loop().create_task(run_blocking(self._promote_all, keys))
-        self._staging.add(task)
-        task.add_done_callback(self._staging.discard)
+    def stage(self, profile_id: str, user_id: str, node_id: str, ready: Sequence[KvEntry]) -> StagingHandle:
+        """The handle naming, for `node_id`, the user's facts whose KV is `ready` to fetch. Nothing is read or moved
+        here: a node fetches what its cache lacks (`fetch`), and only that travels."""
         covered = "|".join(f"{e.key.fact_id}@{e.key.version}.{e.key.content_id}" for e in ready)
         digest = hashlib.sha256(f"{profile_id}|{user_id}|{node_id}|{covered}".encode()).hexdigest()
         return StagingHandle(handle_id=f"stg-{digest[:24]}", fact_ids=[e.key.fact_id for e in ready],
                              total_bytes=sum(e.nbytes for e in ready), expires_at=time.time() + STAGING_TTL_S)
 
-    def _promote_all(self, keys: list[KvKey]) -> None:
+    async def fetch(self, keys: Sequence[KvKey]) -> AsyncIterator[tuple[KvKey, bytes | None]]:
+        """Each key with its blob, in order: None where the index lists nothing under exactly that key. One index
+        lookup for all of them, then one read at a time (a caller streams each blob before the next is read)."""
+        listed = await run_blocking(self._kv_store.listed, keys)
         for key in keys:
-            self._kv_store.promote(key)
-
-    async def fetch(self, key: KvKey) -> bytes | None:
-        """The blob stored under exactly `key` (TieredKvStore.get)."""
-        return await run_blocking(self._kv_store.get, key)
+            yield key, await run_blocking(self._kv_store.read, key) if key in listed else None
 
     # ------------------------------------------------------------------ accounting
 

@@ -133,6 +133,15 @@ class _KvCollector(Collector):
                                        "for fact KV (LanceDB's own are not counted)")
         requests.add_metric([], getattr(self._kv_store.durable, "requests", 0))
         yield requests
+        read = CounterMetricFamily("inferscale_kv_bytes_read", "fact KV bytes read for FetchKv, by tier (the host "
+                                   "cache, or the durable tier on a miss; concurrent misses of a blob share one read)",
+                                   labels=["tier"])
+        for tier_name, read_bytes in self._kv_store.bytes_read.items():
+            read.add_metric([tier_name], read_bytes)
+        yield read
+        served = CounterMetricFamily("inferscale_kv_bytes_served", "fact KV bytes handed to FetchKv")
+        served.add_metric([], self._kv_store.bytes_served)
+        yield served
         corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "durable-tier blobs that failed their checksum")
         corrupt.add_metric([], self._kv_store.corrupt_blobs)
         yield corrupt

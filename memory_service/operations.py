@@ -209,8 +209,8 @@ class MemoryOperations:
     # ------------------------------------------------------------------ KV
 
     async def retrieve_and_stage(self, request: RetrievalRequest) -> Retrieval:
-        """Announces the caller's profile, retrieves the user's top-k facts with their stored KV (queueing what
-        lacks it), and stages the ready KV into the memory tiers."""
+        """Announces the caller's profile and retrieves the user's top-k facts with their stored KV (queueing what
+        lacks it): index lookups only, no KV is read (a node fetches what its cache lacks)."""
         profile_id, user_id = request.profile.profile_id, request.user_id
         await self._kv_pipeline.announce(request.profile)
         step_done("announce")
@@ -222,7 +222,7 @@ class MemoryOperations:
         self._metrics.kv_ready.inc(len(entries))
         facts = [RetrievedFact(r.fact, r.score, entries.get(r.fact.fact_id)) for r in results]
         ready = [fact.kv for fact in facts if fact.kv is not None]
-        staging = self._kv_pipeline.stage(profile_id, user_id, request.node_id, ready, header) if ready else None
+        staging = self._kv_pipeline.stage(profile_id, user_id, request.node_id, ready) if ready else None
         return Retrieval(facts, staging, header.key.content_id if header else "")
 
     async def announce_profile(self, profile: AnnouncedProfile, header_kv: KvUpload | None) -> int:
@@ -252,5 +252,5 @@ class MemoryOperations:
         keys = [KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, header_content_id)
                 ] if header_content_id is not None else []
         keys += [KvKey(profile_id, user_id, ref.fact_id, ref.version, ref.content_id) for ref in facts]
-        for key in keys:
-            yield key, await self._kv_pipeline.fetch(key) or b""
+        async for key, blob in self._kv_pipeline.fetch(keys):
+            yield key, blob or b""

@@ -44,10 +44,12 @@ _OUTCOME_TO_PB = {
     IngestOutcome.UPDATED: pb.INGEST_OUTCOME_UPDATED,
     IngestOutcome.UNCHANGED: pb.INGEST_OUTCOME_UNCHANGED,
 }
-# RPCs whose blocking calls run on threads of their own (memory_service.blocking): those that write, and the
-# workers' KV traffic (multi-MB blob writes), each kind never queued behind the reads' or each other's.
+# RPCs whose blocking calls run on threads of their own (memory_service.blocking): those that write, the workers' KV
+# traffic (multi-MB blob writes) and the nodes' KV fetches (multi-MB blob reads), each kind never queued behind the
+# request path's reads or each other's.
 WRITE_METHODS = frozenset({"IngestTurns", "IngestFacts", "DeleteFacts", "DeleteUser", "AnnounceProfile"})
 KV_WORK_METHODS = frozenset({"LeaseKvWork", "CompleteKvWork"})
+KV_READ_METHODS = frozenset({"FetchKv"})
 
 
 def _timestamp(micros: int) -> Timestamp:
@@ -156,6 +158,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             return service.executors.writes
         if method in KV_WORK_METHODS:
             return service.executors.kv_work
+        if method in KV_READ_METHODS:
+            return service.executors.kv_reads
         return None
 
     @property

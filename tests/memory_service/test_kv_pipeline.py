@@ -169,7 +169,9 @@ def test_deleting_facts_and_users_removes_their_kv_from_every_tier(stub) -> None
         return [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cascade",
                                                                facts=refs))]
 
+    assert all(kv_blobs(["f0", "f1", "f2"]))  # fetched: the host cache holds them too
     tiers_before = {t.name: t.entries for t in stub.GetStats(pb.GetStatsRequest()).tiers}
+    assert set(tiers_before) == {"host", "disk"}
     stub.DeleteFacts(pb.DeleteFactsRequest(user_id="kvp-cascade", fact_ids=["f0"]))
     assert [bool(b) for b in kv_blobs(["f0", "f1", "f2"])] == [False, True, True]
     stub.DeleteUser(pb.DeleteUserRequest(user_id="kvp-cascade"))

@@ -1,4 +1,9 @@
-"""KV tiers and the tiered store: budgets, eviction, admission, pinning, promotion, corruption, restart."""
+"""KV tiers and the tiered store: budgets, eviction, admission, pinning, fetches through the host cache, corruption,
+restart."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -106,27 +111,72 @@ def test_disk_tier_restores_its_entries_after_restart(tmp_path) -> None:
     assert reopened.get(keys[1]) == _blob(keys[1])
 
 
-def test_store_promotes_a_disk_hit_into_the_host_tier(tmp_path) -> None:
+def test_an_upload_goes_to_the_durable_tier_only_and_a_fetch_fills_the_host_cache(tmp_path) -> None:
     store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
     host, disk = store.tiers
     for index in range(21):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
-    assert not host.contains(_key(0)) and disk.contains(_key(0))
+    assert host.stats.entries == 0 and disk.contains(_key(0))  # KV moves toward a node only when one fetches it
     assert store.get(_key(0)) == _blob(_key(0))
-    assert host.contains(_key(0))
-    assert host.stats.bytes <= host.budget_bytes
+    assert host.contains(_key(0)) and host.stats.bytes <= host.budget_bytes
 
 
-def test_promote_reads_from_disk_only_what_no_memory_tier_holds(tmp_path) -> None:
-    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=20 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+def test_a_fetch_reads_the_durable_tier_once_per_miss(tmp_path) -> None:
+    # Ten blobs fit the host cache (and one blob is within its admission fraction; fact ids of two digits are longer).
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE + 50, disk_bytes=100 * BLOB_SIZE))
     host, disk = store.tiers
-    for index in range(21):
+    for index in range(11):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
-    reads_before = disk.stats.hits
-    store.promote(_key(20))  # in the host tier since its put
-    assert disk.stats.hits == reads_before
-    store.promote(_key(0))  # evicted from the host tier: read from disk, promoted
-    assert disk.stats.hits == reads_before + 1 and host.contains(_key(0))
+    for _ in range(3):
+        assert store.get(_key(0)) == _blob(_key(0))
+    assert (disk.stats.hits, host.stats.hits) == (1, 2)
+    assert store.bytes_read == {"host": 2 * BLOB_SIZE, "disk": BLOB_SIZE}
+    for index in range(1, 11):  # the host cache holds ten blobs: key 0 leaves it
+        store.get(_key(index))
+    assert store.get(_key(0)) == _blob(_key(0)) and disk.stats.hits == 12  # a new miss, one more read
+
+
+def test_the_host_cache_hands_out_the_stored_bytes_without_a_copy() -> None:
+    tier = MemoryTier("host", 3 * BLOB_SIZE, LruEviction(), AdmitAll())
+    blob = _blob(_key(0))
+    tier.put(_key(0), blob)
+    assert tier.get(_key(0)) is blob
+
+
+def test_concurrent_misses_of_one_key_share_one_durable_read(tmp_path) -> None:
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
+    release = threading.Event()
+    reads = []
+    read = store.durable.get
+
+    def slow_read(key: KvKey) -> bytes | None:
+        reads.append(key)
+        release.wait(5)
+        return read(key)
+
+    store.durable.get = slow_read  # type: ignore[method-assign]
+    with ThreadPoolExecutor(4) as pool:
+        results = [pool.submit(store.read, _key(0)) for _ in range(4)]
+        time.sleep(0.2)  # every caller is waiting on the one read in flight
+        release.set()
+        assert all(result.result(5) == _blob(_key(0)) for result in results)
+    assert reads == [_key(0)]
+
+
+def test_a_read_that_began_before_a_forget_leaves_nothing_in_the_host_cache(tmp_path) -> None:
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
+    blob = _blob(_key(0))
+
+    def read_then_forgotten(key: KvKey) -> bytes | None:
+        store.forget("u1", ["fact-0"])  # the fact is deleted while its blob is being read
+        return blob
+
+    store.durable.get = read_then_forgotten  # type: ignore[method-assign]
+    assert store.read(_key(0)) == blob  # the read in flight completes
+    assert store.host_cache is not None and not store.host_cache.contains(_key(0))
+    assert store.get(_key(0)) is None
 
 
 def test_store_requeues_a_corrupt_blob_for_recomputation(tmp_path) -> None:
@@ -156,8 +206,10 @@ def test_header_kv_is_pinned_in_every_tier_also_after_restart(tmp_path) -> None:
     store, coordination = _tiered(tmp_path, budgets)
     header = header_key("kvp-test", range(4))
     store.put(header, _blob(header), token_ids=list(range(4)), lease_id=None)
+    assert store.get(header) == _blob(header)  # fetched once: in the host cache from now on
     for index in range(14):
         store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
+        store.get(_key(index))
     assert all(tier.contains(header) for tier in store.tiers)
     assert coordination.kv_index.header_entry("kvp-test").key == header
     coordination.database.close()
