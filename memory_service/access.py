@@ -8,8 +8,10 @@ Credentials file (JSON, `--auth-file`), tokens stored only as SHA-256 hex digest
       {"name": "node-pool", "role": "node", "user_prefix": "", "token_sha256": "..."},
       {"name": "workers", "role": "worker", "token_sha256": "..."}]}
 
-Roles name the RPCs a credential may call; `user_prefix` is its tenant's user namespace: every user_id it names must
-start with it ("" = every user); it ends with a separator (`acme/`, not `acme`, which would also admit `acme2/...`).
+Roles name the RPCs a credential may call, and only workers write KV (a header with AnnounceProfile, fact KV with
+CompleteKvWork): a node, an app or an admin credential that sends KV is refused. `user_prefix` is its tenant's user
+namespace: every user_id it names must start with it ("" = every user); it ends with a separator (`acme/`, not
+`acme`, which would also admit `acme2/...`).
 Workers and admins see every user's facts by nature, so they take no prefix.
 `max_facts` and `max_kv_bytes` (optional, prefixed credentials only) are the tenant's quotas: an IngestFacts that
 would create facts past `max_facts`, or that comes while the tenant's stored KV is at `max_kv_bytes`, is
@@ -34,7 +36,7 @@ from google.protobuf.message import Message
 
 from inferscale_kv.call_credentials import AUTHORIZATION_KEY, BEARER_PREFIX
 from memory_service.config import ConfigError
-from memory_service.errors import PermissionDenied, Unauthenticated
+from memory_service.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 # The RPCs each role may call. Apps own their users' data; nodes read it on the request path; workers fill in KV.
 ROLE_METHODS: dict[str, frozenset[str]] = {
@@ -43,6 +45,8 @@ ROLE_METHODS: dict[str, frozenset[str]] = {
     "node": frozenset({"RetrieveAndStage", "FetchKv", "AnnounceProfile"}),
     "worker": frozenset({"AnnounceProfile", "LeaseKvWork", "CompleteKvWork", "GetStats"}),
 }
+# The roles whose credentials may upload KV; without access control, the role a request declares must be one of them.
+KV_WRITER_ROLES = frozenset({"worker"})
 ALL_USERS_ROLES = frozenset({"worker", "admin"})
 ROLES = frozenset(ROLE_METHODS) | {"admin"}
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9._:@+/=-]+")
@@ -63,10 +67,14 @@ class Principal:
     max_facts: int | None = None
     max_kv_bytes: int | None = None
 
-    def authorize(self, method: str, request: Message) -> None:
-        """Raises PermissionDenied unless this caller may call `method` for the users `request` names."""
+    def authorize_method(self, method: str) -> None:
+        """Raises PermissionDenied unless this caller may call `method` (for some users)."""
         if self.role != "admin" and method not in ROLE_METHODS[self.role]:
             raise PermissionDenied(f"credential {self.name!r} (role {self.role}) may not call {method}")
+
+    def authorize(self, method: str, request: Message) -> None:
+        """Raises PermissionDenied unless this caller may call `method` for the users `request` names."""
+        self.authorize_method(method)
         if not self.user_prefix or "user_id" not in request.DESCRIPTOR.fields_by_name:
             return
         user_id = request.user_id
@@ -75,6 +83,18 @@ class Principal:
         if user_id and not user_id.startswith(self.user_prefix):
             raise PermissionDenied(f"user_id {user_id!r} is outside credential {self.name!r}'s users "
                                    f"(prefix {self.user_prefix!r})")
+
+
+    def authorize_kv_upload(self, field: str, declared_role: str) -> None:
+        """Only workers write KV: raises PermissionDenied unless this caller's credential has a KV writer's role, or,
+        without access control, InvalidArgument unless the request declares one (`declared_role`, e.g. "worker" for
+        PROFILE_ROLE_WORKER; CompleteKvWork declares "worker" by its nature). `field` names the KV in the message."""
+        if declared_role not in KV_WRITER_ROLES:
+            raise InvalidArgument(field, f"only a precompute worker uploads KV (the request declares role "
+                                  f"{declared_role or 'unspecified'}; nodes and apps leave it empty)")
+        if self is not OPEN_ACCESS and self.role not in KV_WRITER_ROLES:
+            raise PermissionDenied(f"{field}: credential {self.name!r} (role {self.role}) may not upload KV; only "
+                                   f"{', '.join(sorted(KV_WRITER_ROLES))} credentials do")
 
 
 OPEN_ACCESS = Principal(name="anonymous", role="admin", user_prefix="", token_sha256="")

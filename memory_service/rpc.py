@@ -1,6 +1,7 @@
 """What every RPC of the servicer goes through: the request id and the log context, access control, readiness, the
 threads its blocking calls run on, metrics and the `rpc` log line, and the one place where domain errors become gRPC
-status codes."""
+status codes (a request whose bytes did not parse among them: `add_to_server` registers deserializers that hand the
+handler an UnparsableRequest instead of raising, which gRPC would answer UNKNOWN)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.descriptor import ServiceDescriptor
 
 from memory_service.access import CALLER, AccessControl
 from memory_service.blocking import blocking_calls_on
-from memory_service.errors import MemoryServiceError, NotReady, status_code_for
+from memory_service.errors import InvalidArgument, MemoryServiceError, NotReady, status_code_for
 from memory_service.metrics import ServiceMetrics
 from memory_service.steps import start_step_clock
+from memory_service.wire_format import UnparsableRequest, request_parser
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +79,9 @@ def rpc(handler: Handler) -> Handler:
         try:
             principal = self.access.authenticate(metadata)
             structlog.contextvars.bind_contextvars(caller=principal.name)
+            if isinstance(request, UnparsableRequest):
+                principal.authorize_method(method)
+                raise InvalidArgument(request.field, f"{request.problem}: not a valid {request.message_type}")
             principal.authorize(method, request)
             CALLER.set(principal)
             if not self.ready:
@@ -104,3 +111,19 @@ def rpc(handler: Handler) -> Handler:
         await context.abort(code, message)
 
     return wrapper
+
+
+def add_to_server(servicer: object, service: ServiceDescriptor, messages: ModuleType, server: grpc.aio.Server) -> None:
+    """Registers `servicer`'s methods for every RPC of `service` (request and response classes from `messages`) with
+    request deserializers that never raise (memory_service.wire_format.request_parser): a request that does not
+    parse reaches the `rpc` wrapper, which answers INVALID_ARGUMENT naming where it broke."""
+    handlers = {}
+    for method in service.methods:
+        make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                        else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make_handler(
+            getattr(servicer, method.name),
+            request_deserializer=request_parser(getattr(messages, method.input_type.name)),
+            response_serializer=getattr(messages, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -14,16 +14,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from inferscale.v1 import memory_pb2, memory_pb2_grpc
+from inferscale.v1 import memory_pb2
 from memory_service.access import AccessControl
 from memory_service.builder import ServiceBuilder
 from memory_service.config import ServiceConfig
 from memory_service.metrics import ServiceMetrics
+from memory_service.rpc import add_to_server
 from memory_service.servicer import MemoryServicer
 
 log = structlog.get_logger(__name__)
 
-SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
+SERVICE = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
@@ -60,7 +62,7 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
         ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_S * 1000),
     ]
     server = grpc.aio.server(options=options)
-    memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, SERVICE, memory_pb2, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
