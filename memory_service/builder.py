@@ -119,8 +119,8 @@ class ServiceBuilder:
         kv_store = await asyncio.to_thread(TieredKvStore, coordination.kv_index, coordination.work_queue,
                                            coordination.user_records, durable, budgets, coordination.shared)
         kv_pipeline = KvPipeline(fact_store, kv_store, coordination.profile_registry, coordination.work_queue,
-                                 coordination.kv_index, coordination.worker_registry, config.kv_lease_max_facts,
-                                 config.kv_lease_seconds)
+                                 coordination.kv_index, coordination.audits, coordination.worker_registry,
+                                 config.kv_lease_max_facts, config.kv_lease_seconds, config.kv_audit_share)
         self.metrics.watch_kv(kv_store, kv_pipeline)
         await kv_pipeline.reconcile()
 

@@ -67,6 +67,9 @@ class ServiceConfig:
     kv_lease_seconds: int = option(120, help="default lease length for precompute work")
     kv_lease_max_facts: int = option(64, help="largest lease batch")
     kv_max_attempts: int = option(3, help="leases of one fact before it is marked failed")
+    kv_audit_share: float = option(
+        0.05, help="share of new fact KV that another worker computes again to compare (sampled per user and "
+        "completion; 0: none); every profile's memory header is audited regardless")
     search_cache_mb: int = option(
         256, help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
     # Bounded: LanceDB's default caches keep a manifest per table version, and every write is a version
@@ -143,6 +146,8 @@ class ServiceConfig:
             raise ConfigError("--kv-disk-budget-gb: must be positive (the disk tier is the durable one)")
         if self.kv_lease_seconds < 1 or self.kv_lease_max_facts < 1 or self.kv_max_attempts < 1:
             raise ConfigError("--kv-lease-seconds, --kv-lease-max-facts, --kv-max-attempts: must be at least 1")
+        if not 0.0 <= self.kv_audit_share <= 1.0:
+            raise ConfigError(f"--kv-audit-share: {self.kv_audit_share} is not a share between 0 and 1")
         if self.log_level not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"--log-level: {self.log_level!r} is not one of debug, info, warning, error")
         for limit in dataclasses.fields(self.limits):

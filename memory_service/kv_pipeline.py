@@ -1,31 +1,77 @@
 """The KV pipeline: which facts need KV for which profile, leasing that work to precompute workers, accepting their
-uploads, and serving stored KV. Wire-format free: the servicer translates messages, and its inputs are
-validated (memory_service.validation)."""
+uploads (and the profiles' headers), auditing them, and serving stored KV. Wire-format free: the servicer translates
+messages, and its inputs are validated (memory_service.validation).
+
+The audit: a share of new fact KV (sampled per user and completion, so that an auditor encodes the sampled facts of a
+conversation window together) and every header is computed again by another worker and compared within the storage
+dtype's tolerance (memory_service.kv_checks). Until then the entry is served. A mismatch withdraws it (the fact is
+served as text), keeps both blobs aside, bars both workers from the fact and queues it for a third, and has every entry
+either worker stored audited. A worker is not told it audits: audits are lease items (a header audit is a
+header_kv_wanted), and its upload is compared instead of stored."""
 
 from __future__ import annotations
 
 import hashlib
+import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import structlog
 
-from inferscale_kv.kv_key import KvKey
+from inferscale_kv.blob import read_kv_header
+from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
 from memory_service.blocking import run_blocking
+from memory_service.coordination.audits import Audit, KvAudits, QuarantinedBlob
 from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.work_queue import Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
 from memory_service.errors import NotFound
 from memory_service.fact_store import FactStore
+from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference
 from memory_service.kv_store import TieredKvStore
-from memory_service.models import AnnouncedProfile, KvUpload, StoredFact, StoredTurn
+from memory_service.models import AnnouncedProfile, KvShape, KvUpload, StoredFact, StoredTurn
+from memory_service.validation import check_kv_fits_profile
 
 log = structlog.get_logger(__name__)
 
 # How long a staging handle is meant to be used for: the facts it names may change (and their KV with them) after it.
 STAGING_TTL_S = 60.0
+# Workers must not guess which of their uploads are audited.
+_AUDIT_SAMPLER = random.SystemRandom()
+
+
+class AuditOutcome(Enum):
+    MATCH = "match"  # the auditor's KV is the stored KV within the tolerance
+    MISMATCH = "mismatch"  # it is not: the entry is withdrawn
+    STALE = "stale"  # the entry changed or went away before the result came
+    ABANDONED = "abandoned"  # leased too often without a result: the entry stays served, unaudited
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    key: KvKey
+    outcome: AuditOutcome
+    producer: str
+    auditor: str
+    difference: float  # kv_checks.kv_difference (0 when there was nothing to compare)
+
+
+class HeaderOutcome(Enum):
+    STORED = "stored"  # none was stored: this one is, its audit to come
+    UNCHANGED = "unchanged"  # the stored header, within the tolerance (an audit of it passed, if it was one)
+    CONFLICT = "conflict"  # a differing header: both withdrawn and kept aside
+    REFUSED = "refused"  # the announcer is barred from the header after a conflict it was part of
+
+
+@dataclass(frozen=True)
+class Announcement:
+    facts_queued: int
+    header: HeaderOutcome | None  # None: no header came with it
+    audit: AuditResult | None  # the header's audit, when the header was one
 
 
 @dataclass(frozen=True)
@@ -46,14 +92,16 @@ class KvWorkLease:
     expires_at: float  # seconds since the epoch
     facts: list[StoredFact]
     turns_by_user: dict[str, list[StoredTurn]]  # each user's turns up to the latest source turn of its facts
-    header_wanted: bool  # the profile's header KV is not stored: the worker should announce it
+    header_wanted: bool  # the worker should announce the profile's header KV (none is stored, or one waits for audit)
+    audits_abandoned: int  # audits given up by this call (leased too often without a result)
 
 
 @dataclass(frozen=True)
 class CompletionCounts:
     accepted: int = 0
-    duplicates: int = 0
+    duplicates: int = 0  # KV of the fact was stored already (audit results among them)
     stale: int = 0
+    audits: tuple[AuditResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,36 +132,42 @@ class KvPipeline:
     memory_service.blocking's threads)."""
 
     def __init__(self, fact_store: FactStore, kv_store: TieredKvStore, profile_registry: ProfileRegistry,
-                 work_queue: KvWorkQueue, kv_index: KvIndex, worker_registry: WorkerRegistry, lease_max_facts: int,
-                 lease_seconds: float) -> None:
-        """`lease_max_facts`, `lease_seconds`: a lease's largest size and its default length."""
+                 work_queue: KvWorkQueue, kv_index: KvIndex, audits: KvAudits, worker_registry: WorkerRegistry,
+                 lease_max_facts: int, lease_seconds: float, audit_share: float) -> None:
+        """`lease_max_facts`, `lease_seconds`: a lease's largest size and its default length; `audit_share`: the
+        share of new fact KV audited (0: none; headers always are)."""
         self._fact_store = fact_store
         self._kv_store = kv_store
         self._profile_registry = profile_registry
         self._work_queue = work_queue
         self._kv_index = kv_index
+        self._audits = audits
         self._worker_registry = worker_registry
         self._lease_max_facts = lease_max_facts
         self._lease_seconds = lease_seconds
+        self._audit_share = audit_share
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
+        self._fields: dict[str, dict] = {}  # the fields of announced profiles (they never change)
+        self._shapes: dict[str, KvShape] = {}  # the KV layout of profiles with KV stored (it never changes)
 
     # ------------------------------------------------------------------ profiles
 
-    async def announce(self, profile: AnnouncedProfile, header_kv: KvUpload | None = None) -> int:
-        """Registers a profile (and stores its header KV when given and not stored yet); a new profile gets every
-        stored fact queued. Returns facts queued."""
-        if header_kv is not None and await self.header_entry(profile.profile_id) is None:
-            await run_blocking(self._kv_store.put, header_kv.key, header_kv.blob, header_kv.token_ids, None)
+    async def announce(self, profile: AnnouncedProfile, header_kv: KvUpload | None = None,
+                       announcer: str = "") -> Announcement:
+        """Registers a profile and receives its header KV when given (from a worker, `announcer`: stored when none
+        is, else compared with the stored one); a new profile gets every stored fact queued. A header that does not
+        fit the profile raises InvalidArgument before anything changes."""
+        header, audit = await self._receive_header(profile, header_kv, announcer) if header_kv else (None, None)
         if profile.profile_id in self._announced:
-            return 0
+            return Announcement(0, header, audit)
         is_new = await run_blocking(self._profile_registry.add, profile.profile_id, profile.fields)
         self._announced.add(profile.profile_id)
         if not is_new:
-            return 0
+            return Announcement(0, header, audit)
         versions = await self._fact_store.fact_versions()
         queued = await run_blocking(self._work_queue.enqueue, [profile.profile_id], versions)
         log.info("profile_announced", profile_id=profile.profile_id, facts_queued=queued, **profile.fields)
-        return queued
+        return Announcement(queued, header, audit)
 
     def profiles(self) -> dict[str, dict]:
         """profile_id -> fields, of every announced profile (blocking)."""
@@ -122,9 +176,83 @@ class KvPipeline:
     async def header_entry(self, profile_id: str) -> KvEntry | None:
         return await run_blocking(self._kv_index.header_entry, profile_id)
 
-    async def _require_profile(self, profile_id: str) -> None:
-        if profile_id not in self._announced and profile_id not in await run_blocking(self.profiles):
+    async def _profile_fields(self, profile_id: str) -> dict:
+        if profile_id not in self._fields:
+            self._fields.update(await run_blocking(self.profiles))
+        if profile_id not in self._fields:
             raise NotFound(f"profile_id: {profile_id!r} was never announced (call AnnounceProfile first)")
+        return self._fields[profile_id]
+
+    async def _require_profile(self, profile_id: str) -> None:
+        if profile_id not in self._announced:
+            await self._profile_fields(profile_id)
+
+    async def _stored_shape(self, profile_id: str) -> KvShape | None:
+        """The KV layout of what is stored for the profile (its header, else any fact); None while nothing is."""
+        if profile_id not in self._shapes:
+            entry = await self.header_entry(profile_id) or await run_blocking(self._kv_index.any_entry, profile_id)
+            blob = await run_blocking(self._kv_store.get, entry.key) if entry else None
+            if blob is not None:
+                header = read_kv_header(blob)
+                self._shapes[profile_id] = KvShape(header.num_layers, header.num_kv_heads, header.head_dim)
+        return self._shapes.get(profile_id)
+
+    async def _check_fit(self, profile_id: str, kv_dtype: str, uploads: Sequence[KvUpload], field: str) -> None:
+        """Each upload must be stored as the profile's kv_dtype and laid out as the profile's stored KV (or, with
+        nothing stored, as the first upload); InvalidArgument names the first that is not."""
+        shape = await self._stored_shape(profile_id) or (uploads[0].shape if uploads else None)
+        for index, upload in enumerate(uploads):
+            check_kv_fits_profile(upload, kv_dtype, shape, field.format(index=index))
+
+    # ------------------------------------------------------------------ headers
+
+    def _header_key(self, profile_id: str) -> KvKey:
+        """The header's fact version (content id aside), as bars name it."""
+        return KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "")
+
+    async def _receive_header(self, profile: AnnouncedProfile, upload: KvUpload,
+                              announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
+        profile_id = profile.profile_id
+        await self._check_fit(profile_id, str(profile.fields["kv_dtype"]), [upload], "header_kv")
+        entry = await self.header_entry(profile_id)
+        stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
+        if entry is None or stored is None:
+            if await run_blocking(self._audits.excluded, upload.key, announcer):
+                log.warning("kv_header_refused", profile_id=profile_id, worker_id=announcer,
+                            reason="barred after a header conflict it was part of")
+                return HeaderOutcome.REFUSED, None
+            await run_blocking(self._kv_store.put, upload.key, upload.blob, upload.token_ids, None, announcer, True)
+            self._shapes.setdefault(profile_id, upload.shape)
+            return HeaderOutcome.STORED, None
+        pending = await run_blocking(self._audits.pending, entry.key)
+        auditing = (pending is not None and pending.producer != announcer
+                    and not await run_blocking(self._audits.excluded, entry.key, announcer))
+        difference = await run_blocking(kv_difference, stored, upload.blob)
+        if difference <= AUDIT_TOLERANCES[upload.storage_dtype]:
+            if auditing and pending is not None and await run_blocking(self._audits.finish, pending):
+                return HeaderOutcome.UNCHANGED, AuditResult(entry.key, AuditOutcome.MATCH, entry.producer, announcer,
+                                                            difference)
+            return HeaderOutcome.UNCHANGED, None
+        kept = [QuarantinedBlob(entry.producer, "header conflict: the stored header", stored),
+                QuarantinedBlob(announcer, "header conflict: a differing header", upload.blob)]
+        await run_blocking(self._kv_store.quarantine, entry.key, [entry.producer, announcer], kept)
+        log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
+                    difference=difference, tolerance=AUDIT_TOLERANCES[upload.storage_dtype],
+                    action="both withdrawn and kept aside; the header is asked of another worker")
+        audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) if auditing \
+            else None
+        return HeaderOutcome.CONFLICT, audit
+
+    async def header_wanted(self, profile_id: str, worker_id: str) -> bool:
+        """Whether to ask `worker_id` for the profile's header: none is stored (and the worker is not barred from
+        it), or the stored one waits for an audit by a worker other than its producer."""
+        entry = await self.header_entry(profile_id)
+        if await run_blocking(self._audits.excluded, self._header_key(profile_id), worker_id):
+            return False
+        if entry is None:
+            return True
+        pending = await run_blocking(self._audits.pending, entry.key)
+        return pending is not None and pending.producer != worker_id
 
     # ------------------------------------------------------------------ facts
 
@@ -164,15 +292,21 @@ class KvPipeline:
     # ------------------------------------------------------------------ workers
 
     async def lease(self, request: LeaseRequest) -> KvWorkLease:
-        """Records the worker's report and leases it queued facts of the profile, with the turns they were said in."""
+        """Records the worker's report and leases it facts of the profile, with the turns they were said in: audits
+        it may do first (audited facts look like any other), then queued facts. Returns the audits given up too."""
         await self._require_profile(request.profile_id)
         await run_blocking(self._worker_registry.record, WorkerReport(
             request.worker_id, request.profile_id, time.time(), request.facts_per_second, request.device))
         max_facts = min(request.max_facts or self._lease_max_facts, self._lease_max_facts)
-        leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts,
-                                    request.lease_seconds or self._lease_seconds)
+        lease_seconds = request.lease_seconds or self._lease_seconds
+        lease_id = uuid.uuid4().hex
+        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, request.worker_id, max_facts,
+                                               lease_id, time.time() + lease_seconds)
+        leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts - len(audits),
+                                    lease_seconds, request.worker_id, lease_id)
+        jobs = [Job(request.profile_id, a.key.user_id, a.key.fact_id, a.key.version) for a in audits] + leased.jobs
         by_user: dict[str, list[Job]] = {}
-        for job in leased.jobs:
+        for job in jobs:
             by_user.setdefault(job.user_id, []).append(job)
         facts: list[StoredFact] = []
         turns_by_user: dict[str, list[StoredTurn]] = {}
@@ -186,27 +320,70 @@ class KvPipeline:
                 turns = await self._fact_store.turns_of_user(user_id)
                 last = max((i for i, turn in enumerate(turns) if turn.turn_id in sources), default=-1)
                 turns_by_user[user_id] = turns[: last + 1]
-        header_wanted = await self.header_entry(request.profile_id) is None
-        return KvWorkLease(leased.lease_id if facts else "", leased.expires_at, facts, turns_by_user, header_wanted)
+        header_wanted = await self.header_wanted(request.profile_id, request.worker_id)
+        return KvWorkLease(lease_id if facts else "", leased.expires_at, facts, turns_by_user, header_wanted,
+                           abandoned)
 
     async def complete(self, profile_id: str, lease_id: str, uploads: Sequence[KvUpload],
-                       failures: Sequence[tuple[Job, str]]) -> CompletionCounts:
+                       failures: Sequence[tuple[Job, str]], worker_id: str) -> CompletionCounts:
         """Stores uploads that their lease still covers (same version, same lease, in the transaction that records
-        them); a fact deleted, changed or re-leased since counts as stale and nothing of it is stored. Failures
-        return their jobs to the queue (or mark them failed)."""
-        await self._require_profile(profile_id)
+        them), as `worker_id`'s; a fact deleted, changed or re-leased since counts as stale and nothing of it is
+        stored. An upload for an audit the lease holds is compared with the stored KV instead. Uploads not stored as
+        the profile's kv_dtype, or laid out otherwise than its stored KV, raise InvalidArgument before anything is
+        stored. Failures return their jobs (and audits) to the queue (or mark them failed)."""
+        fields = await self._profile_fields(profile_id)
+        await self._check_fit(profile_id, str(fields["kv_dtype"]), uploads, "results[{index}].blob")
         accepted = duplicates = stale = 0
+        audited: list[AuditResult] = []
+        sampled: dict[str, bool] = {}  # per user: whether this completion's KV of the user is audited
         for upload in uploads:
             key = upload.key
-            if await run_blocking(self._kv_store.put, key, upload.blob, upload.token_ids, lease_id):
+            audit = await run_blocking(self._audits.held, profile_id, key.user_id, key.fact_id, key.version, lease_id)
+            if audit is not None:
+                audited.append(await self._compare(audit, upload, worker_id))
+                duplicates += 1
+                continue
+            if key.user_id not in sampled:
+                sampled[key.user_id] = self._audit_share > 0 and _AUDIT_SAMPLER.random() < self._audit_share
+            if await run_blocking(self._kv_store.put, key, upload.blob, upload.token_ids, lease_id, worker_id,
+                                  sampled[key.user_id]):
                 accepted += 1
+                self._shapes.setdefault(profile_id, upload.shape)
             elif (entry := self._kv_index.entry(profile_id, key.user_id, key.fact_id)) and entry.key == key:
                 duplicates += 1
             else:
                 stale += 1
         for job, error in failures:
-            await run_blocking(self._work_queue.fail, job, lease_id, error)
-        return CompletionCounts(accepted, duplicates, stale)
+            audit = await run_blocking(self._audits.held, profile_id, job.user_id, job.fact_id, job.version, lease_id)
+            if audit is not None:
+                await run_blocking(self._audits.release, audit, lease_id)
+            else:
+                await run_blocking(self._work_queue.fail, job, lease_id, error)
+        return CompletionCounts(accepted, duplicates, stale, tuple(audited))
+
+    async def _compare(self, audit: Audit, upload: KvUpload, auditor: str) -> AuditResult:
+        """An audit's result: the auditor's upload against the entry it audits (withdrawn when they differ)."""
+        key = audit.key
+        entry = await run_blocking(self._kv_index.entry, key.profile_id, key.user_id, key.fact_id)
+        stored = await run_blocking(self._kv_store.get, key) if entry is not None and entry.key == key else None
+        if stored is None:
+            await run_blocking(self._audits.finish, audit)
+            return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, 0.0)
+        difference = await run_blocking(kv_difference, stored, upload.blob)
+        tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
+        if difference <= tolerance:
+            await run_blocking(self._audits.finish, audit)
+            return AuditResult(key, AuditOutcome.MATCH, audit.producer, auditor, difference)
+        kept = [QuarantinedBlob(audit.producer, "audit mismatch: the stored KV", stored),
+                QuarantinedBlob(auditor, "audit mismatch: the auditor's KV", upload.blob)]
+        if not await run_blocking(self._kv_store.quarantine, key, [audit.producer, auditor], kept):
+            return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, difference)
+        escalated = await run_blocking(self._audits.escalate, key.profile_id, [audit.producer, auditor])
+        log.warning("kv_audit_mismatch", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
+                    version=key.version, producer=audit.producer, auditor=auditor, difference=difference,
+                    tolerance=tolerance, escalated_audits=escalated,
+                    action="withdrawn (served as text) and queued for a third worker; both kept aside")
+        return AuditResult(key, AuditOutcome.MISMATCH, audit.producer, auditor, difference)
 
     # ------------------------------------------------------------------ serving
 
@@ -252,6 +429,10 @@ class KvPipeline:
 
     async def kv_bytes_with_user_prefix(self, prefix: str) -> int:
         return await run_blocking(self._kv_index.kv_bytes_with_user_prefix, prefix)
+
+    def audits_waiting(self) -> int:
+        """Stored KV waiting for an audit (blocking)."""
+        return self._audits.waiting()
 
     def recent_workers(self, seen_within_s: float) -> list[WorkerReport]:
         """Workers that leased within the last `seen_within_s` seconds, most recent first (blocking)."""

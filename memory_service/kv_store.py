@@ -12,6 +12,7 @@ import structlog
 
 from inferscale_kv.eviction import LruEviction
 from inferscale_kv.kv_key import KvKey
+from memory_service.coordination.audits import QuarantinedBlob
 from memory_service.coordination.kv_index import KvIndex
 from memory_service.coordination.users import UserRecords
 from memory_service.coordination.work_queue import KvWorkQueue
@@ -72,10 +73,12 @@ class TieredKvStore:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: KvKey, blob: bytes, token_ids: Sequence[int], lease_id: str | None) -> bool:
-        """Stores durably and records it in the index. With a `lease_id` only while that lease still holds the job
-        for key's version; False if not, and then nothing is touched (a late or repeated completion never disturbs
-        what is stored). A key the index lists already names these bytes: its file is not rewritten."""
+    def put(self, key: KvKey, blob: bytes, token_ids: Sequence[int], lease_id: str | None, producer: str = "",
+            audit: bool = False) -> bool:
+        """Stores durably and records it in the index, with the worker that uploaded it (`producer`) and, with
+        `audit`, an audit to come (KvIndex.record_stored). With a `lease_id` only while that lease still holds the
+        job for key's version; False if not, and then nothing is touched (a late or repeated completion never
+        disturbs what is stored). A key the index lists already names these bytes: its file is not rewritten."""
         with self._lock:
             if lease_id is not None and not self.work_queue.lease_holds(key, lease_id):
                 return False
@@ -83,7 +86,7 @@ class TieredKvStore:
             if not listed and not self.durable.put(key, blob, pinned=key.is_header):
                 raise OSError(f"{self.durable.name} tier refused {len(blob)} bytes "
                               f"(budget {self.durable.budget_bytes})")
-            if not self.kv_index.record_stored(key, token_ids, len(blob), lease_id):
+            if not self.kv_index.record_stored(key, token_ids, len(blob), lease_id, producer, audit):
                 if not listed and not self.listed([key]):  # another replica may have recorded it meanwhile
                     self.durable.remove(key)
                 return False
@@ -97,6 +100,17 @@ class TieredKvStore:
         if dropped and self.shared:
             self._user_records.invalidate(user_id)  # other replicas' sweeps look at the user again, after the forget
         return dropped
+
+    def quarantine(self, key: KvKey, exclude: Sequence[str], kept: Sequence[QuarantinedBlob]) -> bool:
+        """Withdraws the entry stored under exactly `key` from service (KvIndex.quarantine: its blobs kept aside, the
+        `exclude` workers barred, its fact queued again) and drops it from every tier; False if it was not listed."""
+        with self._lock:
+            if not self.kv_index.quarantine(key, exclude, kept):
+                return False
+            self._remove([key])
+        if self.shared:
+            self._user_records.invalidate(key.user_id)
+        return True
 
     def forget_entries(self, keys: Iterable[KvKey]) -> None:
         with self._lock:

@@ -76,6 +76,15 @@ class ServiceMetrics:
         self.kv_work_failures = Counter(
             "inferscale_kv_work_failures", "facts a worker reported it could not encode", registry=self.registry
         )
+        self.kv_audits = Counter(
+            "inferscale_kv_audits", "stored KV computed again by another worker and compared, by outcome (match, "
+            "mismatch: withdrawn and queued for a third worker, stale, abandoned)", ["outcome"],
+            registry=self.registry,
+        )
+        self.kv_header_conflicts = Counter(
+            "inferscale_kv_header_conflicts", "a worker's memory header differing from the stored one (both withdrawn "
+            "and kept aside)", registry=self.registry,
+        )
 
     def watch_kv(self, kv_store: TieredKvStore, kv_pipeline: KvPipeline) -> None:
         """Exports the KV tiers' accounting, the work queue's state and the workers' reports, read at scrape time."""
@@ -145,6 +154,9 @@ class _KvCollector(Collector):
         corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "durable-tier blobs that failed their checksum")
         corrupt.add_metric([], self._kv_store.corrupt_blobs)
         yield corrupt
+        waiting = GaugeMetricFamily("inferscale_kv_audits_waiting", "stored KV waiting for another worker's audit")
+        waiting.add_metric([], self._kv_pipeline.audits_waiting())
+        yield waiting
         queue = GaugeMetricFamily("inferscale_kv_queue_facts", "facts in the KV pipeline by profile and state",
                                   labels=["profile_id", "state"])
         lag = GaugeMetricFamily("inferscale_kv_queue_lag_seconds", "age of the oldest queued fact",

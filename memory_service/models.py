@@ -108,12 +108,32 @@ class AnnouncedProfile:
 
 
 @dataclass(frozen=True)
+class Announcer:
+    """Who announces a profile: its id and the role its request declares ("worker", "node", or "" unspecified)."""
+
+    announcer_id: str
+    role: str
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """The per-token layout of a profile's KV: every blob of the profile has the same."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class KvUpload:
-    """A checked KV blob: the key and token ids its header names."""
+    """A checked KV blob (checksum, key, finite values): the key, token ids, storage dtype and layout its header
+    names."""
 
     key: KvKey
     token_ids: tuple[int, ...]
     blob: bytes
+    storage_dtype: str
+    shape: KvShape
 
 
 @dataclass(frozen=True)

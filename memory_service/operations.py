@@ -23,7 +23,10 @@ from memory_service.embedder import Embedder
 from memory_service.errors import LimitExceeded, NotFound
 from memory_service.fact_store import FactStore
 from memory_service.kv_pipeline import (
+    AuditOutcome,
+    AuditResult,
     CompletionCounts,
+    HeaderOutcome,
     KvPipeline,
     KvWorkLease,
     LeaseRequest,
@@ -35,6 +38,7 @@ from memory_service.kv_tiers import TierStats
 from memory_service.metrics import ServiceMetrics
 from memory_service.models import (
     AnnouncedProfile,
+    Announcer,
     FactKvRef,
     IngestOutcome,
     IngestResult,
@@ -225,25 +229,47 @@ class MemoryOperations:
         staging = self._kv_pipeline.stage(profile_id, user_id, request.node_id, ready) if ready else None
         return Retrieval(facts, staging, header.key.content_id if header else "")
 
-    async def announce_profile(self, profile: AnnouncedProfile, header_kv: KvUpload | None) -> int:
-        """KvPipeline.announce: returns the facts queued for a new profile."""
-        return await self._kv_pipeline.announce(profile, header_kv)
+    async def announce_profile(self, profile: AnnouncedProfile, header_kv: KvUpload | None, announcer: Announcer,
+                               caller: Principal) -> int:
+        """KvPipeline.announce: returns the facts queued for a new profile. Header KV comes from workers only
+        (Principal.authorize_kv_upload: the caller's credential, or the role the request declares)."""
+        if header_kv is not None:
+            caller.authorize_kv_upload("header_kv", announcer.role)
+        announcement = await self._kv_pipeline.announce(profile, header_kv, announcer.announcer_id)
+        if announcement.header is HeaderOutcome.CONFLICT:
+            self._metrics.kv_header_conflicts.inc()
+        if announcement.audit is not None:
+            self._count_audit(announcement.audit)
+        return announcement.facts_queued
 
     async def lease_kv_work(self, request: LeaseRequest) -> KvWorkLease:
         lease = await self._kv_pipeline.lease(request)
+        self._metrics.kv_audits.labels(outcome=AuditOutcome.ABANDONED.value).inc(lease.audits_abandoned)
         if lease.facts:
             self._metrics.kv_facts_leased.inc(len(lease.facts))
             log.info("kv_work_leased", worker_id=request.worker_id, facts=len(lease.facts), lease_id=lease.lease_id)
         return lease
 
     async def complete_kv_work(self, profile_id: str, lease_id: str, uploads: Sequence[KvUpload],
-                               failures: Sequence[tuple[Job, str]]) -> CompletionCounts:
-        counts = await self._kv_pipeline.complete(profile_id, lease_id, uploads, failures)
+                               failures: Sequence[tuple[Job, str]], worker_id: str,
+                               caller: Principal) -> CompletionCounts:
+        """KvPipeline.complete, for workers only (Principal.authorize_kv_upload)."""
+        if uploads:
+            caller.authorize_kv_upload("results", "worker")
+        counts = await self._kv_pipeline.complete(profile_id, lease_id, uploads, failures, worker_id)
         self._metrics.kv_uploads.labels(outcome="accepted").inc(counts.accepted)
         self._metrics.kv_uploads.labels(outcome="duplicate").inc(counts.duplicates)
         self._metrics.kv_uploads.labels(outcome="stale").inc(counts.stale)
         self._metrics.kv_work_failures.inc(len(failures))
+        for audit in counts.audits:
+            self._count_audit(audit)
         return counts
+
+    def _count_audit(self, audit: AuditResult) -> None:
+        self._metrics.kv_audits.labels(outcome=audit.outcome.value).inc()
+        log.info("kv_audited", outcome=audit.outcome.value, profile_id=audit.key.profile_id,
+                 user_id=audit.key.user_id, fact_id=audit.key.fact_id, version=audit.key.version,
+                 producer=audit.producer, auditor=audit.auditor, difference=audit.difference)
 
     async def fetch_kv(self, profile_id: str, user_id: str, facts: Sequence[FactKvRef],
                        header_content_id: str | None) -> AsyncIterator[tuple[KvKey, bytes]]:

@@ -19,7 +19,7 @@ from memory_service.coordination.work_queue import Job
 from memory_service.coordination.workers import WorkerDevice
 from memory_service.kv_pipeline import LeaseRequest, StagingHandle
 from memory_service.metrics import ServiceMetrics
-from memory_service.models import FactKvRef, IngestOutcome, Query, StoredFact
+from memory_service.models import Announcer, FactKvRef, IngestOutcome, Query, StoredFact
 from memory_service.operations import MemoryOperations, Retrieval, RetrievalRequest, ServiceStats
 from memory_service.rpc import rpc
 from memory_service.validation import (
@@ -44,6 +44,8 @@ _OUTCOME_TO_PB = {
     IngestOutcome.UPDATED: pb.INGEST_OUTCOME_UPDATED,
     IngestOutcome.UNCHANGED: pb.INGEST_OUTCOME_UNCHANGED,
 }
+# The role an AnnounceProfileRequest declares, as memory_service.access names roles ("": unspecified).
+_ROLES = {pb.PROFILE_ROLE_WORKER: "worker", pb.PROFILE_ROLE_NODE: "node"}
 # RPCs whose blocking calls run on threads of their own (memory_service.blocking): those that write, the workers' KV
 # traffic (multi-MB blob writes) and the nodes' KV fetches (multi-MB blob reads), each kind never queued behind the
 # request path's reads or each other's.
@@ -242,9 +244,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     @rpc
     async def AnnounceProfile(self, request: pb.AnnounceProfileRequest, context) -> pb.AnnounceProfileResponse:
         profile = validate_announced_profile(request.profile)
-        validate_id(request.announcer_id, "announcer_id")
-        header_kv = validate_header_kv(request.header_kv, profile.profile_id) if request.header_kv else None
-        queued = await self._operations.announce_profile(profile, header_kv)
+        announcer = Announcer(validate_id(request.announcer_id, "announcer_id"), _ROLES.get(request.role, ""))
+        header_kv = validate_header_kv(request.header_kv, profile) if request.header_kv else None
+        queued = await self._operations.announce_profile(profile, header_kv, announcer, CALLER.get())
         return pb.AnnounceProfileResponse(profile_id=profile.profile_id, facts_queued=queued)
 
     @rpc
@@ -276,11 +278,12 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     @rpc
     async def CompleteKvWork(self, request: pb.CompleteKvWorkRequest, context) -> pb.CompleteKvWorkResponse:
-        validate_id(request.worker_id, "worker_id")
+        worker_id = validate_id(request.worker_id, "worker_id")
         profile_id = validate_id(request.profile_id, "profile_id")
         uploads = validate_fact_kv(request.results, profile_id)
         failures = [(Job(profile_id, f.user_id, f.fact_id, f.version), f.error) for f in request.failures]
-        counts = await self._operations.complete_kv_work(profile_id, request.lease_id, uploads, failures)
+        counts = await self._operations.complete_kv_work(profile_id, request.lease_id, uploads, failures, worker_id,
+                                                         CALLER.get())
         return pb.CompleteKvWorkResponse(accepted=counts.accepted, duplicates=counts.duplicates, stale=counts.stale)
 
     @rpc

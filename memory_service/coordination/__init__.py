@@ -4,7 +4,8 @@ SQLite by default, PostgreSQL when replicas share it), one module per table fami
 - schema: the tables and the layout's recorded version;
 - profiles: announced KV profiles;
 - work_queue: the KV work queue with leases;
-- kv_index: which KV is stored (its full key, content id included, and token ids);
+- kv_index: which KV is stored (its full key, content id included, token ids and producer);
+- audits: stored KV to be computed again by another worker, workers barred from a fact, KV kept aside;
 - users: each user's write generation and version floor, and the per-user lock;
 - store_meta: the fact store's embedding model;
 - workers: the precompute workers' last reports.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memory_service.coordination.audits import KvAudits
 from memory_service.coordination.kv_index import KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.schema import create_schema
@@ -35,16 +37,19 @@ class Coordination:
     profile_registry: ProfileRegistry
     work_queue: KvWorkQueue
     kv_index: KvIndex
+    audits: KvAudits
     user_records: UserRecords
     store_meta: StoreMeta
     worker_registry: WorkerRegistry
 
     @classmethod
     def open(cls, database: Database, max_attempts: int = 3) -> Coordination:
-        """Creates the tables that are missing; `max_attempts`: leases of one job before it is marked failed."""
+        """Creates the tables that are missing; `max_attempts`: leases of one job before it is marked failed (of one
+        audit before it is given up)."""
         create_schema(database)
         work_queue = KvWorkQueue(database, max_attempts)
-        return cls(database, ProfileRegistry(database), work_queue, KvIndex(database, work_queue),
+        audits = KvAudits(database, max_attempts)
+        return cls(database, ProfileRegistry(database), work_queue, KvIndex(database, work_queue, audits), audits,
                    UserRecords(database), StoreMeta(database), WorkerRegistry(database))
 
     @property

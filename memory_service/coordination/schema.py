@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from memory_service.sql import Database
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# The layout of version 1, then the tables added since (created on any database that lacks them).
 TABLES = (
     # coordination.profiles
     "CREATE TABLE IF NOT EXISTS profiles (profile_id TEXT PRIMARY KEY, spec TEXT NOT NULL, "
@@ -29,13 +30,35 @@ TABLES = (
     # coordination.workers
     "CREATE TABLE IF NOT EXISTS workers (worker_id TEXT PRIMARY KEY, profile_id TEXT NOT NULL, "
     "last_seen DOUBLE PRECISION NOT NULL, facts_per_second DOUBLE PRECISION NOT NULL, device TEXT NOT NULL)",
+    # coordination.audits (version 2)
+    "CREATE TABLE IF NOT EXISTS kv_audits (profile_id TEXT NOT NULL, user_id TEXT NOT NULL, fact_id TEXT NOT NULL, "
+    "version BIGINT NOT NULL, content_id TEXT NOT NULL, producer TEXT NOT NULL, lease_id TEXT, "
+    "lease_expires DOUBLE PRECISION, attempts BIGINT NOT NULL DEFAULT 0, enqueued_at DOUBLE PRECISION NOT NULL, "
+    "PRIMARY KEY (profile_id, user_id, fact_id))",
+    "CREATE TABLE IF NOT EXISTS kv_exclusions (profile_id TEXT NOT NULL, user_id TEXT NOT NULL, "
+    "fact_id TEXT NOT NULL, version BIGINT NOT NULL, worker_id TEXT NOT NULL, "
+    "PRIMARY KEY (profile_id, user_id, fact_id, version, worker_id))",
+    "CREATE TABLE IF NOT EXISTS kv_quarantine (profile_id TEXT NOT NULL, user_id TEXT NOT NULL, "
+    "fact_id TEXT NOT NULL, version BIGINT NOT NULL, content_id TEXT NOT NULL, blob_sha256 TEXT NOT NULL, "
+    "worker_id TEXT NOT NULL, reason TEXT NOT NULL, quarantined_at DOUBLE PRECISION NOT NULL, blob BYTEA NOT NULL, "
+    "PRIMARY KEY (profile_id, user_id, fact_id, version, content_id, blob_sha256))",
 )
+# Columns added to version-1 tables, by the version that added them.
+UPGRADES = {
+    2: ("ALTER TABLE kv_entries ADD COLUMN producer TEXT NOT NULL DEFAULT ''",),
+}
 
 
 def create_schema(database: Database) -> None:
-    """Creates the tables that do not exist yet and records SCHEMA_VERSION; idempotent, and safe while other
-    replicas start beside this one (`Database.migration`)."""
+    """Creates the tables that do not exist yet, adds the columns of every version after the recorded one, and
+    records SCHEMA_VERSION; idempotent, and safe while other replicas start beside this one (`Database.migration`).
+    A replica of an older release cannot write a database upgraded past it: stop those before starting this one."""
     with database.migration() as tx:
+        recorded = database.schema_version(tx)
         for statement in TABLES:
             tx.run(statement)
+        for version, statements in sorted(UPGRADES.items()):
+            if recorded < version:
+                for statement in statements:
+                    tx.run(statement)
         database.set_schema_version(tx, SCHEMA_VERSION)

@@ -51,6 +51,23 @@ def facts_condition(user_id: str, fact_ids: Sequence[str] | None) -> tuple[str, 
     return condition, params
 
 
+_EXCLUDED = ("NOT EXISTS (SELECT 1 FROM kv_exclusions x WHERE x.profile_id = {table}.profile_id AND "
+             "x.user_id = {table}.user_id AND x.fact_id = {table}.fact_id AND x.version = {table}.version AND "
+             "x.worker_id = ?)")
+# Queues a job for (profile, user, fact, version, state, enqueued_at), replacing the fact's job of an older version.
+_UPSERT_JOB = ("INSERT INTO jobs (profile_id, user_id, fact_id, version, state, enqueued_at) "
+               "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO UPDATE SET "
+               "version = excluded.version, state = 'queued', lease_id = NULL, lease_expires = NULL, "
+               "attempts = 0, enqueued_at = excluded.enqueued_at, last_error = NULL "
+               "WHERE jobs.version <= excluded.version")  # a late, older version never replaces a newer
+
+
+def not_excluded(table: str) -> str:
+    """A WHERE condition on `table`'s rows (a fact version each): the worker named by the condition's one parameter
+    is not barred from that fact version (table `kv_exclusions`, coordination.audits)."""
+    return _EXCLUDED.format(table=table)
+
+
 class KvWorkQueue:
     def __init__(self, database: Database, max_attempts: int = 3) -> None:
         self._database = database
@@ -64,31 +81,33 @@ class KvWorkQueue:
         rows = sorted((p, u, f, v, QUEUED, now) for p in profile_ids for (u, f, v) in facts)
         with self._database.transaction() as tx:
             for row in rows:
-                tx.run("INSERT INTO jobs (profile_id, user_id, fact_id, version, state, enqueued_at) "
-                       "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO UPDATE SET "
-                       "version = excluded.version, state = 'queued', lease_id = NULL, lease_expires = NULL, "
-                       "attempts = 0, enqueued_at = excluded.enqueued_at, last_error = NULL "
-                       "WHERE jobs.version <= excluded.version", row)  # a late, older version never replaces a newer
+                tx.run(_UPSERT_JOB, row)
         return len(rows)
 
-    def lease(self, profile_id: str, max_facts: int, lease_seconds: float) -> LeasedJobs:
-        """Leases queued (or expired) jobs, grouped by user; jobs leased too often become failed."""
+    def lease(self, profile_id: str, max_facts: int, lease_seconds: float, worker_id: str = "",
+              lease_id: str | None = None) -> LeasedJobs:
+        """Leases queued (or expired) jobs that `worker_id` is not barred from (coordination.audits), grouped by
+        user, under `lease_id` (a new one when None); jobs leased too often become failed."""
         now = time.time()
-        lease_id = uuid.uuid4().hex
+        lease_id = lease_id or uuid.uuid4().hex
         expires = now + lease_seconds
         with self._database.transaction() as tx:
             tx.run("UPDATE jobs SET state = 'failed', last_error = coalesce(last_error, 'lease expired too often') "
                    "WHERE profile_id = ? AND state = 'leased' AND lease_expires < ? AND attempts >= ?",
                    (profile_id, now, self.max_attempts))
             rows = tx.rows("SELECT user_id, fact_id, version FROM jobs WHERE profile_id = ? AND "
-                           "(state = 'queued' OR (state = 'leased' AND lease_expires < ?)) "
-                           "ORDER BY user_id, enqueued_at LIMIT ?" + self._database.claim_clause,
-                           (profile_id, now, max_facts))
+                           "(state = 'queued' OR (state = 'leased' AND lease_expires < ?)) AND "
+                           f"{not_excluded('jobs')} ORDER BY user_id, enqueued_at LIMIT ?"
+                           + self._database.claim_clause, (profile_id, now, worker_id, max_facts))
             for user, fact, _ in rows:
                 tx.run("UPDATE jobs SET state = 'leased', lease_id = ?, lease_expires = ?, attempts = attempts + 1 "
                        "WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
                        (lease_id, expires, profile_id, user, fact))
         return LeasedJobs(lease_id, expires, [Job(profile_id, user, fact, version) for user, fact, version in rows])
+
+    def requeue(self, tx: Transaction, key: KvKey) -> None:
+        """Within `tx`: queues key's fact at key's version for the profile (its stored KV was withdrawn)."""
+        tx.run(_UPSERT_JOB, (key.profile_id, key.user_id, key.fact_id, key.version, QUEUED, time.time()))
 
     def fail(self, job: Job, lease_id: str, error: str) -> None:
         """Returns a failed job to the queue, or marks it failed after max_attempts (only under its lease)."""

@@ -6,6 +6,7 @@ tests/precompute_worker/test_worker_end_to_end.py.
 
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -16,12 +17,26 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.kv_key import content_id
+from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import kv_profile_id
+
+HEADER_IDS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def memory_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
+    """This module's service, without the sampled audit: its tests play several workers uploading made-up KV, which
+    an audit would rightly withdraw (the audit's own tests: test_kv_audit.py)."""
+    root = tmp_path_factory.mktemp("kv_pipeline")
+    service = MemoryServiceProcess(root / "data", root / "service.log", "--kv-audit-share", "0").start()
+    yield service
+    service.stop()
 
 
 def _profile(model: str) -> pb.KvProfile:
-    profile = pb.KvProfile(model=model, model_hash="mh", kv_dtype="float32", tokenizer_hash="th", header_hash="hh",
-                           recipe="chunked-rope-cwe", recipe_version=1, context_window=2)
+    profile = pb.KvProfile(model=model, model_hash="mh", kv_dtype="float32", tokenizer_hash="th",
+                           header_hash=token_hash(HEADER_IDS), recipe="chunked-rope-cwe", recipe_version=1,
+                           context_window=2)
     profile.profile_id = kv_profile_id(profile)
     return profile
 
@@ -261,7 +276,7 @@ def test_fact_versions_are_never_handed_out_twice(stub) -> None:
     assert versions == sorted(set(versions)) and versions[0] == 1
 
 
-def _header_blob(profile: pb.KvProfile, token_ids=(1, 2, 3)) -> bytes:
+def _header_blob(profile: pb.KvProfile, token_ids=HEADER_IDS) -> bytes:
     header = KvBlobHeader(profile_id=profile.profile_id, user_id="_profile", fact_id="header", version=1,
                           storage_dtype="float32", num_layers=2, num_tokens=len(token_ids), num_kv_heads=1, head_dim=4,
                           token_ids=tuple(token_ids), content_id=content_id(profile.profile_id, [], token_ids))
@@ -277,13 +292,14 @@ def test_the_header_kv_survives_disk_pressure_and_is_asked_for_again_when_lost(t
         with service.channel() as channel:
             stub = memory_pb2_grpc.MemoryServiceStub(channel)
             profile = _profile("model-header")
+            # Announced by the worker that leases below: another worker would be asked for the header, to audit it.
             stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
-                                                           announcer_id="w", header_kv=_header_blob(profile)))
+                                                           announcer_id="w1", header_kv=_header_blob(profile)))
             _ingest(stub, "kvp-header", count=20)
             lease = _lease(stub, profile)
             assert not lease.header_kv_wanted
             _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
-            header_id = content_id(profile.profile_id, [], (1, 2, 3))
+            header_id = content_id(profile.profile_id, [], HEADER_IDS)
 
             def header_blob() -> bytes:
                 (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-header",
@@ -301,7 +317,7 @@ def test_the_header_kv_survives_disk_pressure_and_is_asked_for_again_when_lost(t
             assert retrieved.header_content_id == ""  # the node serves the memory as text meanwhile
             assert _lease(stub, profile).header_kv_wanted
             stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
-                                                           announcer_id="w", header_kv=_header_blob(profile)))
+                                                           announcer_id="w1", header_kv=_header_blob(profile)))
             assert not _lease(stub, profile).header_kv_wanted and header_blob() == _header_blob(profile)
     finally:
         service.stop()

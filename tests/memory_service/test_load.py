@@ -40,6 +40,7 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.kv_key import content_id, header_key
+from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import kv_profile_id
 from memory_service.config import ServiceConfig
 
@@ -120,9 +121,13 @@ def _fact_text(user_index: int, fact_index: int, rng: random.Random) -> str:
     return f"<u{user_index:05d}> fact {fact_index}: enjoys {topic} on {rng.choice(['weekends', 'evenings'])}"
 
 
+HEADER_IDS = (1, 2, 3)
+
+
 def _profile() -> pb.KvProfile:
     profile = pb.KvProfile(model="load-test", model_hash="mh", kv_dtype="bfloat16", tokenizer_hash="th",
-                           header_hash="hh", recipe="chunked-rope-cwe", recipe_version=1, context_window=0)
+                           header_hash=token_hash(HEADER_IDS), recipe="chunked-rope-cwe", recipe_version=1,
+                           context_window=0)
     profile.profile_id = kv_profile_id(profile)
     return profile
 
@@ -161,7 +166,7 @@ async def _compute_kv(stub) -> int:
     """Plays the profile's precompute workers until no work is left: the header and every stored fact get KV.
     Returns the facts completed."""
     profile = _profile()
-    header_ids = (1, 2, 3)
+    header_ids = HEADER_IDS
     header = header_key(profile.profile_id, header_ids)
     header_blob = encode_kv_blob(
         KvBlobHeader(profile.profile_id, header.user_id, header.fact_id, header.version, "bfloat16", 1, 3, 1, 8,

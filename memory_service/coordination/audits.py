@@ -1,0 +1,149 @@
+"""The KV audit (tables `kv_audits`, `kv_exclusions`, `kv_quarantine`): stored KV that another worker is to compute
+again and compare, the workers barred from computing or auditing one version of a fact again, and KV kept aside after
+an audit or a header found it wrong (never served; dropped with its fact, as the KV itself is).
+
+An audit is leased to precompute workers beside the work queue's jobs, under the same lease id, and never to the
+worker that produced the entry (nor to one barred from the fact). The profile's memory header is audited too, but not
+leased as an item: a worker is asked for its header instead (coordination.kv_index.header_entry, LeaseKvWork's
+header_kv_wanted)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inferscale_kv.kv_key import HEADER_OWNER, KvKey
+from memory_service.coordination.work_queue import facts_condition, not_excluded
+from memory_service.sql import Database, Transaction
+
+
+@dataclass(frozen=True)
+class Audit:
+    """Stored KV (under exactly `key`) to be computed again by a worker other than its `producer`."""
+
+    key: KvKey
+    producer: str
+
+
+@dataclass(frozen=True)
+class QuarantinedBlob:
+    """A blob kept aside: who uploaded it and why it is not served."""
+
+    worker_id: str
+    reason: str
+    blob: bytes
+
+
+class KvAudits:
+    def __init__(self, database: Database, max_attempts: int) -> None:
+        """`max_attempts`: leases of one audit before it is given up (its entry stays served, unaudited)."""
+        self._database = database
+        self.max_attempts = max_attempts
+
+    def schedule(self, tx: Transaction, key: KvKey, producer: str) -> None:
+        """Within `tx`: the entry stored under `key` by `producer` is to be audited (replacing any audit of the
+        fact's earlier KV)."""
+        tx.run("INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO UPDATE SET "
+               "version = excluded.version, content_id = excluded.content_id, producer = excluded.producer, "
+               "lease_id = NULL, lease_expires = NULL, attempts = 0, enqueued_at = excluded.enqueued_at",
+               (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id, producer, time.time()))
+
+    def unschedule(self, tx: Transaction, key: KvKey) -> None:
+        """Within `tx`: no audit of the fact's KV (its entry was replaced or dropped)."""
+        tx.run("DELETE FROM kv_audits WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
+               (key.profile_id, key.user_id, key.fact_id))
+
+    def escalate(self, profile_id: str, producers: Sequence[str]) -> int:
+        """Every fact entry of the profile stored by one of `producers` is to be audited; returns the audits added."""
+        placeholders = ",".join("?" * len(producers))
+        with self._database.transaction() as tx:
+            return tx.run(
+                "INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
+                "SELECT profile_id, user_id, fact_id, version, content_id, producer, ? FROM kv_entries "
+                f"WHERE profile_id = ? AND user_id != ? AND producer IN ({placeholders}) "
+                "ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
+                (time.time(), profile_id, HEADER_OWNER, *producers))
+
+    def lease(self, profile_id: str, worker_id: str, max_facts: int, lease_id: str,
+              expires: float) -> tuple[list[Audit], int]:
+        """Leases up to `max_facts` fact audits that `worker_id` may do (it did not produce them, it is not barred)
+        under `lease_id`, grouped by user; returns them and the audits given up by this call (leased `max_attempts`
+        times without a result: their entries stay served, unaudited)."""
+        now = time.time()
+        with self._database.transaction() as tx:
+            abandoned = tx.run("DELETE FROM kv_audits WHERE profile_id = ? AND lease_expires < ? AND attempts >= ?",
+                               (profile_id, now, self.max_attempts))
+            rows = tx.rows(
+                "SELECT user_id, fact_id, version, content_id, producer FROM kv_audits WHERE profile_id = ? "
+                "AND user_id != ? AND producer != ? AND (lease_id IS NULL OR lease_expires < ?) AND "
+                f"{not_excluded('kv_audits')} ORDER BY user_id, enqueued_at LIMIT ?" + self._database.claim_clause,
+                (profile_id, HEADER_OWNER, worker_id, now, worker_id, max_facts))
+            for user, fact, *_ in rows:
+                tx.run("UPDATE kv_audits SET lease_id = ?, lease_expires = ?, attempts = attempts + 1 "
+                       "WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
+                       (lease_id, expires, profile_id, user, fact))
+        return [Audit(KvKey(profile_id, user, fact, version, content), producer)
+                for user, fact, version, content, producer in rows], abandoned
+
+    def held(self, profile_id: str, user_id: str, fact_id: str, version: int, lease_id: str) -> Audit | None:
+        """The audit of the fact's version that `lease_id` holds, if any."""
+        rows = self._database.query(
+            "SELECT content_id, producer FROM kv_audits WHERE profile_id = ? AND user_id = ? AND fact_id = ? "
+            "AND version = ? AND lease_id = ?", (profile_id, user_id, fact_id, version, lease_id))
+        return Audit(KvKey(profile_id, user_id, fact_id, version, rows[0][0]), rows[0][1]) if rows else None
+
+    def pending(self, key: KvKey) -> Audit | None:
+        """The audit waiting for the entry stored under exactly `key`, if any."""
+        rows = self._database.query(
+            "SELECT producer FROM kv_audits WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
+            "AND content_id = ?", (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id))
+        return Audit(key, rows[0][0]) if rows else None
+
+    def finish(self, audit: Audit) -> bool:
+        """Removes the audit (its entry passed, or is gone); False if it was not there anymore."""
+        key = audit.key
+        with self._database.transaction() as tx:
+            return tx.run("DELETE FROM kv_audits WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
+                          "AND content_id = ?", (key.profile_id, key.user_id, key.fact_id, key.version,
+                                                 key.content_id)) == 1
+
+    def release(self, audit: Audit, lease_id: str) -> None:
+        """The auditor could not compute the fact: the audit waits for another lease (if `lease_id` still holds it)."""
+        key = audit.key
+        with self._database.transaction() as tx:
+            tx.run("UPDATE kv_audits SET lease_id = NULL, lease_expires = NULL WHERE profile_id = ? AND user_id = ? "
+                   "AND fact_id = ? AND version = ? AND lease_id = ?",
+                   (key.profile_id, key.user_id, key.fact_id, key.version, lease_id))
+
+    def excluded(self, key: KvKey, worker_id: str) -> bool:
+        """Whether `worker_id` is barred from computing or auditing the fact version `key` names."""
+        return bool(self._database.query(
+            "SELECT 1 FROM kv_exclusions WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
+            "AND worker_id = ?", (key.profile_id, key.user_id, key.fact_id, key.version, worker_id)))
+
+    def exclude(self, tx: Transaction, key: KvKey, worker_ids: Sequence[str]) -> None:
+        """Within `tx`: bars the workers from computing or auditing the fact version `key` names."""
+        for worker_id in sorted(set(worker_ids)):
+            tx.run("INSERT INTO kv_exclusions VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                   (key.profile_id, key.user_id, key.fact_id, key.version, worker_id))
+
+    def keep_aside(self, tx: Transaction, key: KvKey, kept: Sequence[QuarantinedBlob]) -> None:
+        """Within `tx`: keeps the blobs (uploaded for `key`) in quarantine, once per distinct blob."""
+        for blob in kept:
+            tx.run("INSERT INTO kv_quarantine VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                   (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id,
+                    hashlib.sha256(blob.blob).hexdigest(), blob.worker_id, blob.reason, time.time(), blob.blob))
+
+    def drop_facts(self, tx: Transaction, user_id: str, fact_ids: Sequence[str] | None) -> None:
+        """Within `tx`: removes the audits, bars and quarantined KV of the given facts (all of the user's when None),
+        for every profile."""
+        condition, params = facts_condition(user_id, fact_ids)
+        for table in ("kv_audits", "kv_exclusions", "kv_quarantine"):
+            tx.run(f"DELETE FROM {table} WHERE {condition}", params)
+
+    def waiting(self) -> int:
+        """Audits not done yet, over every profile (the header's included)."""
+        return self._database.query("SELECT count(*) FROM kv_audits")[0][0]
