@@ -86,15 +86,16 @@ class Principal:
 
 
     def authorize_kv_upload(self, field: str, declared_role: str) -> None:
-        """Only workers write KV: raises PermissionDenied unless this caller's credential has a KV writer's role, or,
-        without access control, InvalidArgument unless the request declares one (`declared_role`, e.g. "worker" for
-        PROFILE_ROLE_WORKER; CompleteKvWork declares "worker" by its nature). `field` names the KV in the message."""
-        if declared_role not in KV_WRITER_ROLES:
-            raise InvalidArgument(field, f"only a precompute worker uploads KV (the request declares role "
-                                  f"{declared_role or 'unspecified'}; nodes and apps leave it empty)")
+        """Only workers write KV: raises PermissionDenied unless this caller's credential has a KV writer's role, and
+        InvalidArgument unless the request declares one (`declared_role`, e.g. "worker" for PROFILE_ROLE_WORKER;
+        CompleteKvWork declares "worker" by its nature), which without access control is all there is to check.
+        `field` names the KV in the message."""
         if self is not OPEN_ACCESS and self.role not in KV_WRITER_ROLES:
             raise PermissionDenied(f"{field}: credential {self.name!r} (role {self.role}) may not upload KV; only "
                                    f"{', '.join(sorted(KV_WRITER_ROLES))} credentials do")
+        if declared_role not in KV_WRITER_ROLES:
+            raise InvalidArgument(field, f"only a precompute worker uploads KV (the request declares role "
+                                  f"{declared_role or 'unspecified'}; nodes and apps leave it empty)")
 
 
 OPEN_ACCESS = Principal(name="anonymous", role="admin", user_prefix="", token_sha256="")

@@ -11,7 +11,9 @@ header_kv_wanted), and its upload is compared instead of stored."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import random
 import time
 import uuid
@@ -31,7 +33,7 @@ from memory_service.coordination.work_queue import Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
 from memory_service.errors import NotFound
 from memory_service.fact_store import FactStore
-from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference
+from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference, served_content_id, with_content_id
 from memory_service.kv_store import TieredKvStore
 from memory_service.models import AnnouncedProfile, KvShape, KvUpload, StoredFact, StoredTurn
 from memory_service.validation import check_kv_fits_profile
@@ -204,11 +206,25 @@ class KvPipeline:
         for index, upload in enumerate(uploads):
             check_kv_fits_profile(upload, kv_dtype, shape, field.format(index=index))
 
-    # ------------------------------------------------------------------ headers
+    # ------------------------------------------------------------------ headers and the audit
 
-    def _header_key(self, profile_id: str) -> KvKey:
-        """The header's fact version (content id aside), as bars name it."""
-        return KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "")
+    async def _served(self, upload: KvUpload) -> tuple[KvUpload, list[str]]:
+        """The upload as it is stored and served (kv_checks.served_content_id: renamed when KV of its fact version
+        was withdrawn before), and the workers barred from that fact version."""
+        barred = await run_blocking(self._audits.barred, upload.key)
+        served = served_content_id(upload.key.content_id, barred)
+        if served == upload.key.content_id:
+            return upload, barred
+        blob = await run_blocking(with_content_id, upload.blob, served)
+        return dataclasses.replace(upload, key=dataclasses.replace(upload.key, content_id=served), blob=blob), barred
+
+    async def _difference(self, stored: KvEntry, stored_blob: bytes, upload: KvUpload) -> float:
+        """kv_checks.kv_difference of an upload from a stored entry, infinite when the upload's content id is not the
+        one the entry was computed under."""
+        served, _ = await self._served(upload)
+        if served.key != stored.key:
+            return math.inf
+        return await run_blocking(kv_difference, stored_blob, upload.blob)
 
     async def _receive_header(self, profile: AnnouncedProfile, upload: KvUpload,
                               announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
@@ -217,18 +233,20 @@ class KvPipeline:
         entry = await self.header_entry(profile_id)
         stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
         if entry is None or stored is None:
-            if await run_blocking(self._audits.excluded, upload.key, announcer):
+            served, barred = await self._served(upload)
+            if announcer in barred:
                 log.warning("kv_header_refused", profile_id=profile_id, worker_id=announcer,
                             reason="barred after a header conflict it was part of")
                 return HeaderOutcome.REFUSED, None
-            await run_blocking(self._kv_store.put, upload.key, upload.blob, upload.token_ids, None, announcer, True)
+            await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer, True)
             self._shapes.setdefault(profile_id, upload.shape)
             return HeaderOutcome.STORED, None
         pending = await run_blocking(self._audits.pending, entry.key)
         auditing = (pending is not None and pending.producer != announcer
-                    and not await run_blocking(self._audits.excluded, entry.key, announcer))
-        difference = await run_blocking(kv_difference, stored, upload.blob)
-        if difference <= AUDIT_TOLERANCES[upload.storage_dtype]:
+                    and announcer not in await run_blocking(self._audits.barred, entry.key))
+        difference = await self._difference(entry, stored, upload)
+        tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
+        if difference <= tolerance:
             if auditing and pending is not None and await run_blocking(self._audits.finish, pending):
                 return HeaderOutcome.UNCHANGED, AuditResult(entry.key, AuditOutcome.MATCH, entry.producer, announcer,
                                                             difference)
@@ -237,7 +255,7 @@ class KvPipeline:
                 QuarantinedBlob(announcer, "header conflict: a differing header", upload.blob)]
         await run_blocking(self._kv_store.quarantine, entry.key, [entry.producer, announcer], kept)
         log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
-                    difference=difference, tolerance=AUDIT_TOLERANCES[upload.storage_dtype],
+                    difference=difference, tolerance=tolerance,
                     action="both withdrawn and kept aside; the header is asked of another worker")
         audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) if auditing \
             else None
@@ -246,9 +264,10 @@ class KvPipeline:
     async def header_wanted(self, profile_id: str, worker_id: str) -> bool:
         """Whether to ask `worker_id` for the profile's header: none is stored (and the worker is not barred from
         it), or the stored one waits for an audit by a worker other than its producer."""
-        entry = await self.header_entry(profile_id)
-        if await run_blocking(self._audits.excluded, self._header_key(profile_id), worker_id):
+        header_version = KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "")
+        if worker_id in await run_blocking(self._audits.barred, header_version):
             return False
+        entry = await self.header_entry(profile_id)
         if entry is None:
             return True
         pending = await run_blocking(self._audits.pending, entry.key)
@@ -345,11 +364,12 @@ class KvPipeline:
                 continue
             if key.user_id not in sampled:
                 sampled[key.user_id] = self._audit_share > 0 and _AUDIT_SAMPLER.random() < self._audit_share
-            if await run_blocking(self._kv_store.put, key, upload.blob, upload.token_ids, lease_id, worker_id,
+            served, _ = await self._served(upload)
+            if await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, lease_id, worker_id,
                                   sampled[key.user_id]):
                 accepted += 1
                 self._shapes.setdefault(profile_id, upload.shape)
-            elif (entry := self._kv_index.entry(profile_id, key.user_id, key.fact_id)) and entry.key == key:
+            elif (entry := self._kv_index.entry(profile_id, key.user_id, key.fact_id)) and entry.key == served.key:
                 duplicates += 1
             else:
                 stale += 1
@@ -366,10 +386,10 @@ class KvPipeline:
         key = audit.key
         entry = await run_blocking(self._kv_index.entry, key.profile_id, key.user_id, key.fact_id)
         stored = await run_blocking(self._kv_store.get, key) if entry is not None and entry.key == key else None
-        if stored is None:
+        if entry is None or stored is None:
             await run_blocking(self._audits.finish, audit)
             return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, 0.0)
-        difference = await run_blocking(kv_difference, stored, upload.blob)
+        difference = await self._difference(entry, stored, upload)
         tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
         if difference <= tolerance:
             await run_blocking(self._audits.finish, audit)

@@ -118,11 +118,12 @@ class KvAudits:
                    "AND fact_id = ? AND version = ? AND lease_id = ?",
                    (key.profile_id, key.user_id, key.fact_id, key.version, lease_id))
 
-    def excluded(self, key: KvKey, worker_id: str) -> bool:
-        """Whether `worker_id` is barred from computing or auditing the fact version `key` names."""
-        return bool(self._database.query(
-            "SELECT 1 FROM kv_exclusions WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
-            "AND worker_id = ?", (key.profile_id, key.user_id, key.fact_id, key.version, worker_id)))
+    def barred(self, key: KvKey) -> list[str]:
+        """The workers barred from computing or auditing the fact version `key` names (its KV was withdrawn), sorted;
+        empty when none is."""
+        return [worker for (worker,) in self._database.query(
+            "SELECT worker_id FROM kv_exclusions WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
+            "ORDER BY worker_id", (key.profile_id, key.user_id, key.fact_id, key.version))]
 
     def exclude(self, tx: Transaction, key: KvKey, worker_ids: Sequence[str]) -> None:
         """Within `tx`: bars the workers from computing or auditing the fact version `key` names."""

@@ -1,0 +1,168 @@
+"""The KV audit through a real memory service (--kv-audit-share 1: every new fact KV is audited) with real workers
+(`python -m precompute_worker` on the tiny Llama) and a stand-in worker that uploads wrong tensors under the right
+names (the facts' own token ids and content ids, so that only the values give it away).
+
+The auditor does not know it audits (its lease items are ordinary ones); its KV of honest facts matches the stored
+KV within the tolerance, its KV of the stand-in's facts does not: those entries are withdrawn (RetrieveAndStage
+reports them not ready, so nodes serve the facts as text), counted, logged with the worker that produced them, kept
+aside, and computed again by a third worker (neither the producer nor the auditor), whose KV is served."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from harness.memory_service import MemoryServiceProcess
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
+from inferscale_kv.kv_key import content_id
+from inferscale_kv.layout import fact_token_ids, memory_header_ids
+from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference
+from precompute_worker.worker import profile_message
+from tests.conftest import run_worker
+
+HONEST = {"h0": "Hana grows basil on her balcony.", "h1": "Hana swims in the lake every morning.",
+          "h2": "Hana's brother lives in Porto."}
+VICTIM = {"v0": "Vera keeps bees behind the old barn.", "v1": "Vera's daughter studies music in Vienna.",
+          "v2": "Vera is allergic to walnuts."}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
+    root = tmp_path_factory.mktemp("kv_audit")
+    process = MemoryServiceProcess(root / "data", root / "service.log", "--kv-audit-share", "1").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(service) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
+    with service.channel() as channel:
+        yield memory_pb2_grpc.MemoryServiceStub(channel)
+
+
+def wrong_kv_worker(stub, profile: pb.KvProfile, tokenizer, user_id: str, worker_id: str) -> int:
+    """Plays a worker that uploads random tensors of the model's shape for `user_id`'s leased facts, under their true
+    names (token ids, and the content id of the header they are encoded behind); other items are reported failed.
+    Returns the facts accepted."""
+    header = memory_header_ids(tokenizer)
+    lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=worker_id, profile_id=profile.profile_id, max_facts=64))
+    uploads, failures = [], []
+    generator = torch.Generator().manual_seed(7)
+    for item in lease.items:
+        if item.user_id != user_id:
+            failures.append(pb.FactKvFailure(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                                             error="not mine"))
+            continue
+        tokens = fact_token_ids(tokenizer, item.text)
+        keys, values = (torch.randn((4, len(tokens), 2, 64), generator=generator) for _ in range(2))
+        blob_header = KvBlobHeader(profile.profile_id, item.user_id, item.fact_id, item.version, "float32", 4,
+                                   len(tokens), 2, 64, tuple(tokens), content_id(profile.profile_id, header, tokens))
+        uploads.append(pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                                       blob=encode_kv_blob(blob_header, keys, values)))
+    assert uploads, f"no leased facts of {user_id}"
+    return stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id=worker_id,
+                                                        profile_id=profile.profile_id, results=uploads,
+                                                        failures=failures)).accepted
+
+
+def _retrieved(stub, profile: pb.KvProfile, user_id: str) -> dict[str, pb.RetrievedFact]:
+    response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user_id, query="where and what", top_k=10,
+                                                                profile=profile, node_id="n1"))
+    return {fact.fact_id: fact for fact in response.facts}
+
+
+def _fetched(stub, profile: pb.KvProfile, user_id: str, facts: dict[str, pb.RetrievedFact]) -> dict[str, bytes]:
+    refs = [pb.FactRef(fact_id=f.fact_id, version=f.version, content_id=f.content_id) for f in facts.values()]
+    replies = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user_id, facts=refs))
+    return {reply.fact_id: reply.blob for reply in replies}
+
+
+def _audits(service: MemoryServiceProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {outcome: float(count) for outcome, count in
+            re.findall(r'^inferscale_kv_audits_total\{outcome="(\w+)"\} (\S+)$', text, re.MULTILINE) if float(count)}
+
+
+def _quarantined_workers(service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str]]:
+    path = Path(service.data_dir) / "kv" / "index.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
+        rows = database.execute("SELECT fact_id, worker_id FROM kv_quarantine WHERE user_id = ? ORDER BY fact_id, "
+                                "worker_id", (user_id,)).fetchall()
+    database.close()
+    return rows
+
+
+def test_the_audit_withdraws_wrong_kv_and_a_third_worker_recomputes_it(service, stub, tiny_llama_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    profile = profile_message(build_model_profile(tiny_llama_dir, tokenizer, "float32", DEFAULT_CONTEXT_WINDOW))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="honest", facts=[
+        pb.FactInput(fact_id=fact_id, text=text) for fact_id, text in HONEST.items()]))
+    run_worker(service, tiny_llama_dir, "--worker-id", "worker-1")  # the header and the honest user's facts
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="victim", facts=[
+        pb.FactInput(fact_id=fact_id, text=text) for fact_id, text in VICTIM.items()]))
+    assert wrong_kv_worker(stub, profile, tokenizer, "victim", "liar") == len(VICTIM)
+    planted = _retrieved(stub, profile, "victim")
+    assert all(fact.kv_ready for fact in planted.values())  # until its audit, an entry is served as today
+    assert _audits(service) == {}  # no result yet
+
+    run_worker(service, tiny_llama_dir, "--worker-id", "worker-2")  # audits all of it, unknowingly
+    audits = _audits(service)
+    assert audits.get("mismatch") == len(VICTIM)
+    assert audits.get("match") == len(HONEST) + 1  # the honest facts and the header
+    assert not any(fact.kv_ready for fact in _retrieved(stub, profile, "victim").values())
+    assert all(fact.kv_ready for fact in _retrieved(stub, profile, "honest").values())
+    logged = [json.loads(line) for line in service.log_path.read_text().splitlines() if '"kv_audit_mismatch"' in line]
+    assert sorted((entry["fact_id"], entry["producer"], entry["auditor"]) for entry in logged) == [
+        (fact_id, "liar", "worker-2") for fact_id in sorted(VICTIM)]
+    assert all(entry["difference"] > AUDIT_TOLERANCES["float32"] for entry in logged)
+    assert _quarantined_workers(service, "victim") == [(fact_id, worker) for fact_id in sorted(VICTIM)
+                                                       for worker in ("liar", "worker-2")]
+    victim_stats = next(p for p in stub.GetStats(pb.GetStatsRequest(user_id="victim")).profiles)
+    assert (victim_stats.done, victim_stats.queued) == (0, len(VICTIM))
+    for barred in ("liar", "worker-2"):  # neither the producer nor the auditor computes the facts again
+        lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=barred, profile_id=profile.profile_id))
+        assert not [item for item in lease.items if item.user_id == "victim"]
+
+    run_worker(service, tiny_llama_dir, "--worker-id", "worker-3")
+    recomputed = _retrieved(stub, profile, "victim")
+    assert all(fact.kv_ready for fact in recomputed.values())
+    # Served under other names than the withdrawn KV: a node that cached the planted bytes cannot take them for these.
+    assert not {fact.content_id for fact in recomputed.values()} & {fact.content_id for fact in planted.values()}
+    assert not any(_fetched(stub, profile, "victim", planted).values())
+    blobs = _fetched(stub, profile, "victim", recomputed)
+    auditors = {fact_id: blob for fact_id, worker, blob in _quarantined_blobs(service, "victim")
+                if worker == "worker-2"}
+    for fact_id, blob in blobs.items():
+        assert kv_difference(auditors[fact_id], blob) <= AUDIT_TOLERANCES["float32"]
+        assert decode_kv_blob(blob).header.content_id == recomputed[fact_id].content_id
+    run_worker(service, tiny_llama_dir, "--worker-id", "worker-1")  # audits worker-3's KV: it passes
+    assert _audits(service).get("match") == audits["match"] + len(VICTIM)
+    assert all(fact.kv_ready for fact in _retrieved(stub, profile, "victim").values())
+
+
+def _quarantined_blobs(service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str, bytes]]:
+    path = Path(service.data_dir) / "kv" / "index.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
+        rows = database.execute("SELECT fact_id, worker_id, blob FROM kv_quarantine WHERE user_id = ?",
+                                (user_id,)).fetchall()
+    database.close()
+    return [(fact_id, worker, bytes(blob)) for fact_id, worker, blob in rows]
+
+
+def test_deleting_a_user_drops_its_quarantined_kv(service, stub) -> None:
+    assert _quarantined_workers(service, "victim")
+    stub.DeleteUser(pb.DeleteUserRequest(user_id="victim"))
+    assert _quarantined_workers(service, "victim") == []
