@@ -11,6 +11,7 @@ header_kv_wanted), and its upload is compared instead of stored."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import math
@@ -151,6 +152,7 @@ class KvPipeline:
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
         self._fields: dict[str, dict] = {}  # the fields of announced profiles (they never change)
         self._shapes: dict[str, KvShape] = {}  # the KV layout of profiles with KV stored (it never changes)
+        self._header_locks: dict[str, asyncio.Lock] = {}  # one header received at a time per profile
 
     # ------------------------------------------------------------------ profiles
 
@@ -230,6 +232,13 @@ class KvPipeline:
                               announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
         profile_id = profile.profile_id
         await self._check_fit(profile_id, str(profile.fields["kv_dtype"]), [upload], "header_kv")
+        async with self._header_locks.setdefault(profile_id, asyncio.Lock()):
+            return await self._receive_header_locked(profile_id, upload, announcer)
+
+    async def _receive_header_locked(self, profile_id: str, upload: KvUpload,
+                                     announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
+        """Stores the header when none is (another replica's concurrent one wins: then it is compared with that),
+        else compares it with the stored one."""
         entry = await self.header_entry(profile_id)
         stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
         if entry is None or stored is None:
@@ -238,9 +247,14 @@ class KvPipeline:
                 log.warning("kv_header_refused", profile_id=profile_id, worker_id=announcer,
                             reason="barred after a header conflict it was part of")
                 return HeaderOutcome.REFUSED, None
-            await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer, True)
-            self._shapes.setdefault(profile_id, upload.shape)
-            return HeaderOutcome.STORED, None
+            if await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer,
+                                  True):
+                self._shapes.setdefault(profile_id, upload.shape)
+                return HeaderOutcome.STORED, None
+            entry = await self.header_entry(profile_id)  # another replica stored one meanwhile: compare with it
+            stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
+            if entry is None or stored is None:
+                return HeaderOutcome.UNCHANGED, None  # and it went again: the next lease asks for one
         pending = await run_blocking(self._audits.pending, entry.key)
         auditing = (pending is not None and pending.producer != announcer
                     and announcer not in await run_blocking(self._audits.barred, entry.key))
@@ -254,8 +268,9 @@ class KvPipeline:
         kept = [QuarantinedBlob(entry.producer, "header conflict: the stored header", stored),
                 QuarantinedBlob(announcer, "header conflict: a differing header", upload.blob)]
         await run_blocking(self._kv_store.quarantine, entry.key, [entry.producer, announcer], kept)
+        escalated = await run_blocking(self._audits.escalate, profile_id, [entry.producer, announcer])
         log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
-                    difference=difference, tolerance=tolerance,
+                    difference=difference, tolerance=tolerance, escalated_audits=escalated,
                     action="both withdrawn and kept aside; the header is asked of another worker")
         audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) if auditing \
             else None

@@ -43,18 +43,22 @@ class KvIndex:
                       producer: str = "", audit: bool = False) -> bool:
         """Marks KV stored for key, uploaded by `producer`, in one transaction with taking its job off the queue and
         scheduling its audit (`audit`) or dropping one of the fact's earlier KV: with a `lease_id`, only while that
-        lease still holds the job for key's version (else nothing changes and False is returned); without one (the
-        profile's header), unconditionally."""
+        lease still holds the job for key's version (else nothing changes and False is returned); without one, a
+        profile's header only while none is recorded (else False: the caller compares with the one that is), other
+        KV unconditionally."""
         with self._database.transaction() as tx:
             if lease_id is not None and not self._work_queue.take_job(tx, key, lease_id):
                 return False  # nothing changed: the lease no longer holds the job
-            tx.run("INSERT INTO kv_entries (profile_id, user_id, fact_id, version, content_id, token_ids, nbytes, "
-                   "stored_at, producer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) "
-                   "DO UPDATE SET version = excluded.version, content_id = excluded.content_id, "
-                   "token_ids = excluded.token_ids, nbytes = excluded.nbytes, stored_at = excluded.stored_at, "
-                   "producer = excluded.producer",
-                   (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id,
-                    json.dumps(list(token_ids)), nbytes, time.time(), producer))
+            on_conflict = "NOTHING" if lease_id is None and key.is_header else (
+                "UPDATE SET version = excluded.version, content_id = excluded.content_id, token_ids = "
+                "excluded.token_ids, nbytes = excluded.nbytes, stored_at = excluded.stored_at, "
+                "producer = excluded.producer")
+            if not tx.run("INSERT INTO kv_entries (profile_id, user_id, fact_id, version, content_id, token_ids, "
+                          "nbytes, stored_at, producer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                          f"ON CONFLICT (profile_id, user_id, fact_id) DO {on_conflict}",
+                          (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id,
+                           json.dumps(list(token_ids)), nbytes, time.time(), producer)):
+                return False
             if audit:
                 self._audits.schedule(tx, key, producer)
             else:
