@@ -30,8 +30,11 @@ SWEEP_S = 1.0
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
+    # Without the sampled KV audit: a test here uploads made-up KV, which an audit would rightly withdraw and whose
+    # audit would show in another test's lease.
     with memory_service_replicas(tmp_path_factory.mktemp("replicas"), 3, "--tier-sweep-interval-s", str(SWEEP_S),
-                                 "--kv-host-budget-mb", "64", "--kv-lease-seconds", "2", bucket=BUCKET) as replicas:
+                                 "--kv-host-budget-mb", "64", "--kv-lease-seconds", "2", "--kv-audit-share", "0",
+                                 bucket=BUCKET) as replicas:
         yield replicas
 
 
