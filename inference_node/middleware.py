@@ -190,8 +190,7 @@ class MemoryMiddleware:
             return
         REQUESTS.labels(mode=memory.mode).inc()
         summary: dict[str, Any] = {"mode": memory.mode}
-        if memory.mode != "off":
-            await self._add_memory(payload, path, memory, summary)
+        signed_plan = await self._add_memory(payload, path, memory, summary) if memory.mode != "off" else None
         summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
 
         async def send_with_summary(message: Message) -> None:
@@ -199,9 +198,13 @@ class MemoryMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
             await send(message)
 
-        await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send_with_summary)
+        body = _json_with(payload, {"kv_transfer_params": signed_plan} if signed_plan is not None else {})
+        await self.app(*_rewritten(scope, body, receive), send_with_summary)
 
-    async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, summary: dict[str, Any]) -> None:
+    async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest,
+                          summary: dict[str, Any]) -> bytes | None:
+        """Puts the user's memory in the request; in kv mode returns the signed load plan's JSON for the body's
+        `kv_transfer_params` (its cache salt is set in `payload`)."""
         stub = self._prepare()
         query = (query_of(payload, path) or " ")[:2000]
         started = time.perf_counter()
@@ -217,7 +220,7 @@ class MemoryMiddleware:
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)
-            return
+            return None
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)
         plan = plan_memory(list(response.facts), self._header_ids, response.header_content_id,
@@ -242,9 +245,11 @@ class MemoryMiddleware:
             # Shorter than the crossover: prefilling it is faster than injecting it.
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
+        signed_plan = None
         if inject:
-            payload["kv_transfer_params"] = self._signer.kv_transfer_params(plan.plan)
-            payload["cache_salt"] = self._signer.cache_salt(plan.plan)
+            signed = self._signer.sign(plan.plan)
+            signed_plan = signed.kv_transfer_params_json
+            payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
             FACTS_PLACED.labels(how="text").inc(len(plan.facts) - plan.kv_facts)
@@ -253,6 +258,7 @@ class MemoryMiddleware:
             FACTS_PLACED.labels(how="text").inc(len(plan.facts))
         if memory.mode == "kv" and not inject:
             summary.update(kv_facts=0, injectable_tokens=0)
+        return signed_plan
 
 
 async def _read_body(receive: Callable) -> bytes:
@@ -265,6 +271,16 @@ async def _read_body(receive: Callable) -> bytes:
         if not message.get("more_body"):
             break
     return b"".join(chunks)
+
+
+def _json_with(payload: dict, members: dict[str, bytes]) -> bytes:
+    """`payload` as JSON, with `members` (already JSON) added: a load plan holds every token id of the memory, and
+    is serialized once, when it is signed."""
+    head = json.dumps(payload).encode()
+    if not members:
+        return head
+    added = b", ".join(json.dumps(name).encode() + b": " + value for name, value in members.items())
+    return head[:-1] + (b", " if payload else b"") + added + b"}"
 
 
 def _rewritten(scope: Scope, body: bytes, receive: Callable) -> tuple[Scope, Callable]:

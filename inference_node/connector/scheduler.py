@@ -116,13 +116,13 @@ class InferScaleScheduler:
             return memo
         proof = NO_PREFIX
         if request.kv_transfer_params:
-            plan = self._signer.verified(request.kv_transfer_params)
-            if plan is None or request.cache_salt != self._signer.cache_salt(plan):
+            verified = self._signer.verified_with_salt(request.kv_transfer_params)
+            if verified is None or request.cache_salt != verified[1]:
                 self._refuse(request, "unsigned, altered or malformed plan, or a salt the plan does not sign")
             elif getattr(request, "lora_request", None) is not None:
                 self._refuse(request, "LoRA request (fact KV is the base model's)")
             else:
-                proof = provable_prefix(request.prompt_token_ids or [], plan, self.profile_id)
+                proof = provable_prefix(request.prompt_token_ids or [], verified[0], self.profile_id)
         self._proofs[request.request_id] = proof
         return proof
 

@@ -4,7 +4,7 @@ inside vLLM's scheduler)."""
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inference_node.plan import (
@@ -14,6 +14,7 @@ from inference_node.plan import (
     PlanHeader,
     PlanSigner,
     ProvenPrefix,
+    _canonical,
     provable_prefix,
     strip_client_plans,
 )
@@ -145,6 +146,15 @@ def test_any_wire_value_is_refused_or_parsed_to_a_plan_whose_wire_form_is_the_sa
         assert SIGNER.verified({"inferscale": {"plan": wire, "sig": SIGNER.kv_transfer_params(spoiled)["inferscale"]
                                                ["sig"]}}) == spoiled
         provable_prefix(PROMPT, spoiled, PROFILE)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(plan=plans)
+@example(plan=LoadPlan("p\x7f", "u\n\x00\"\\", PlanHeader("", (2**70, -1)), ()))  # json escapes each
+@example(plan=LoadPlan("p", "\u00fc", PlanHeader("", ()), ()))
+def test_the_canonical_form_is_jsons_sorted_compact_dump_of_any_plan(plan) -> None:
+    """Signatures and salts are HMACs of these bytes: the fast encoder must write json's, escapes included."""
+    assert _canonical(plan.to_wire()) == json.dumps(plan.to_wire(), sort_keys=True, separators=(",", ":")).encode()
 
 
 def test_a_typed_plan_survives_its_wire_form() -> None:
