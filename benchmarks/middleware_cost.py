@@ -6,7 +6,9 @@
   client-plan stripping, the memory block and load plan, the plan's signature and cache salt, JSON serialize), with
   the memory service answered at once by a stand-in (its RetrieveAndStage time is not ours to count here);
 - scheduler: the connector's proof of the same request in vLLM's engine process (plan signature and salt checked,
-  the plan proven against the prompt's token ids), which runs on the engine's scheduling thread.
+  the plan proven against the prompt's token ids), which runs on the engine's scheduling thread;
+- vLLM tokenizing: what tokenizing the memory prompt as text costs (vLLM does it for a chat request after applying
+  its template; a completions request in a memory mode arrives as token ids, so vLLM skips it).
 Facts are the serving benchmark's synthetic ones (`--clauses` per fact; k=50 of 2 clauses is ~1,700 memory tokens
 with SmolLM2's tokenizer, of 8 clauses ~7,000). `--profile` prints cProfile's top functions for the largest k.
 """
@@ -22,6 +24,7 @@ import pstats
 import secrets
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +63,7 @@ def retrieved(tokenizer, k: int, clauses: int) -> pb.RetrieveAndStageResponse:
 
 
 def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageResponse):
+    from inference_node.memory_prompt import MemoryTokens
     from inference_node.middleware import MemoryMiddleware
     from inferscale_kv.layout import memory_header_text
 
@@ -76,6 +80,7 @@ def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageRespons
     middleware._tokenizer = tokenizer
     middleware._header_ids = memory_header_ids(tokenizer)
     middleware._header_text = memory_header_text(tokenizer)
+    middleware._memory_tokens = MemoryTokens(tokenizer)
     middleware._stub = _Service(response)  # type: ignore[assignment]
     return middleware, app
 
@@ -128,6 +133,12 @@ def time_scheduler(rewritten: dict, prompt_ids: list[int], count: int) -> list[f
     return samples
 
 
+def _timed(work: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    work()
+    return (time.perf_counter() - started) * 1000
+
+
 def _p50(samples: list[float]) -> float:
     return statistics.median(samples)
 
@@ -147,7 +158,8 @@ def main() -> None:
 
     model_dir = (args.model or build_smollm2()).resolve()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    print(f"{'route':<22}{'k':>4}{'clauses':>8}{'memory tokens':>15}{'middleware p50 ms':>19}{'scheduler p50 ms':>18}")
+    print(f"{'route':<22}{'k':>4}{'clauses':>8}{'memory tokens':>15}{'middleware p50 ms':>19}{'scheduler p50 ms':>18}"
+          f"{'vLLM tokenizing ms':>20}")
     last: tuple[Any, bytes, str] | None = None
     for clauses in args.clauses:
         for k in args.k:
@@ -162,13 +174,20 @@ def main() -> None:
                 raw = json.dumps(body).encode()
                 middleware_ms = time_middleware(middleware, raw, path, args.requests)
                 rewritten = json.loads(app.body)
-                scheduler_ms = ""
+                text = (memory_header_text(tokenizer) + "".join(fact.text.strip() + "\n" for fact in response.facts)
+                        + QUESTION)
+                tokenizing_ms = [_timed(lambda: tokenizer.encode(text, add_special_tokens=False))  # noqa: B023
+                                 for _ in range(20)]
+                scheduler_ms, vllm_tokenizing = "", f"{_p50(tokenizing_ms):.3f}"
                 if path == "/v1/completions":
-                    prompt_ids = tokenizer.encode(rewritten["prompt"], add_special_tokens=False)
-                    assert rewritten["prompt"].startswith(memory_header_text(tokenizer))
+                    prompt_ids = rewritten["prompt"]
+                    if isinstance(prompt_ids, list):
+                        vllm_tokenizing = "0 (token ids)"
+                    else:
+                        prompt_ids = tokenizer.encode(prompt_ids, add_special_tokens=False)
                     scheduler_ms = f"{_p50(time_scheduler(rewritten, prompt_ids, args.requests)):.3f}"
                 print(f"{path:<22}{k:>4}{clauses:>8}{memory_tokens:>15}{_p50(middleware_ms):>19.3f}"
-                      f"{scheduler_ms:>18}", flush=True)
+                      f"{scheduler_ms:>18}{vllm_tokenizing:>20}", flush=True)
                 last = (middleware, raw, path)
     if args.profile and last is not None:
         profiler = cProfile.Profile()

@@ -7,7 +7,8 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
 - On POST /v1/chat/completions and /v1/completions, `memory` is removed, RetrieveAndStage called, the facts
   written into the prompt (one per line, best last) and, in kv mode, the signed load plan (`kv_transfer_params`)
   and signed `cache_salt` added; the rewritten body is replayed to vLLM once and `receive` delegated. Completions
-  in a memory mode are tokenized without added special tokens (the header carries the template's BOS). Responses
+  in a memory mode get their prompt as token ids (the layout's tokenization, memory_prompt.MemoryTokens; as text
+  without added special tokens for a tokenizer whose pieces do not concatenate: the header carries the BOS). Responses
   get an `x-inferscale-memory` header with a JSON summary. If the memory service cannot be reached the request
   is answered without memory, and the header says so. `memory` on any other route is a 400.
 
@@ -28,9 +29,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import msgspec
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_prompt import FACT_ORDERS, plan_memory, system_content
+from inference_node.memory_prompt import FACT_ORDERS, MemoryTokens, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.query_embedding import LocalQueryEmbedder
 from inference_node.settings import NodeSettings
@@ -131,6 +133,7 @@ class MemoryMiddleware:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._header_ids: list[int] = []
         self._header_text = ""
+        self._memory_tokens: MemoryTokens | None = None
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
         self._call_metadata: tuple[tuple[str, str], ...] = ()
         self._profile = pb.KvProfile(**self.settings.profile)
@@ -146,6 +149,7 @@ class MemoryMiddleware:
             self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
             self._header_ids = memory_header_ids(self._tokenizer)
             self._header_text = memory_header_text(self._tokenizer)
+            self._memory_tokens = MemoryTokens(self._tokenizer)
         if self._stub is None:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
             self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
@@ -190,7 +194,7 @@ class MemoryMiddleware:
             return
         REQUESTS.labels(mode=memory.mode).inc()
         summary: dict[str, Any] = {"mode": memory.mode}
-        signed_plan = await self._add_memory(payload, path, memory, summary) if memory.mode != "off" else None
+        members = await self._add_memory(payload, path, memory, summary) if memory.mode != "off" else {}
         summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
 
         async def send_with_summary(message: Message) -> None:
@@ -198,13 +202,12 @@ class MemoryMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
             await send(message)
 
-        body = _json_with(payload, {"kv_transfer_params": signed_plan} if signed_plan is not None else {})
-        await self.app(*_rewritten(scope, body, receive), send_with_summary)
+        await self.app(*_rewritten(scope, _json_with(payload, members), receive), send_with_summary)
 
     async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest,
-                          summary: dict[str, Any]) -> bytes | None:
-        """Puts the user's memory in the request; in kv mode returns the signed load plan's JSON for the body's
-        `kv_transfer_params` (its cache salt is set in `payload`)."""
+                          summary: dict[str, Any]) -> dict[str, bytes]:
+        """Puts the user's memory in the request: in `payload`, or, for what holds every token id of the memory
+        (the signed load plan, a token-id prompt), in the body members it returns, already JSON."""
         stub = self._prepare()
         query = (query_of(payload, path) or " ")[:2000]
         started = time.perf_counter()
@@ -220,9 +223,10 @@ class MemoryMiddleware:
         except grpc.aio.AioRpcError as exc:
             RETRIEVE_ERRORS.inc()
             summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)
-            return None
+            return {}
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)
+        members: dict[str, bytes] = {}
         plan = plan_memory(list(response.facts), self._header_ids, response.header_content_id,
                            self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
                            memory.recompute_tail_facts if memory.mode == "kv" else 0)
@@ -233,6 +237,10 @@ class MemoryMiddleware:
                 client_system = _text_of(messages.pop(0).get("content"))
             payload["messages"] = [{"role": "system", "content": system_content(plan.block_text, client_system)},
                                    *messages]
+        elif self._memory_tokens is not None and self._memory_tokens.concatenative:
+            # As token ids: vLLM would tokenize the whole memory again on every request.
+            prompt_ids = self._memory_tokens.prompt(plan.facts, payload.pop("prompt", None) or "")
+            members["prompt"] = msgspec.json.encode(prompt_ids)
         else:
             payload["prompt"] = self._header_text + plan.block_text + (payload.get("prompt") or "")
             # The header text carries the template's BOS: a second one would shift every position.
@@ -245,10 +253,9 @@ class MemoryMiddleware:
             # Shorter than the crossover: prefilling it is faster than injecting it.
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
-        signed_plan = None
         if inject:
             signed = self._signer.sign(plan.plan)
-            signed_plan = signed.kv_transfer_params_json
+            members["kv_transfer_params"] = signed.kv_transfer_params_json
             payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
@@ -258,7 +265,7 @@ class MemoryMiddleware:
             FACTS_PLACED.labels(how="text").inc(len(plan.facts))
         if memory.mode == "kv" and not inject:
             summary.update(kv_facts=0, injectable_tokens=0)
-        return signed_plan
+        return members
 
 
 async def _read_body(receive: Callable) -> bytes:
@@ -274,8 +281,7 @@ async def _read_body(receive: Callable) -> bytes:
 
 
 def _json_with(payload: dict, members: dict[str, bytes]) -> bytes:
-    """`payload` as JSON, with `members` (already JSON) added: a load plan holds every token id of the memory, and
-    is serialized once, when it is signed."""
+    """`payload` as JSON, with `members` (already JSON, names not in `payload`) added."""
     head = json.dumps(payload).encode()
     if not members:
         return head

@@ -39,3 +39,56 @@ def test_a_recomputed_tail_leaves_the_facts_nearest_the_question_out_of_the_plan
     assert (tail.kv_facts, tail.injectable_tokens) == (2, len(HEADER) + 4)
     everything = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=9)
     assert (everything.kv_facts, everything.injectable_tokens, everything.plan.facts) == (0, len(HEADER), ())
+
+
+def test_memory_tokens_are_the_layouts_tokenization_of_the_prompt_text_remembered_per_fact(tiny_llama_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from inference_node.memory_prompt import MemoryTokens
+    from inferscale_kv.layout import memory_header_text
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    calls: list[list[str]] = []
+
+    class Counting:
+        """The tokenizer, counting the fact lines it is asked to tokenize in batches."""
+
+        def __call__(self, texts, **kwargs):
+            calls.append(texts)
+            return tokenizer(texts, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    tokens = MemoryTokens(Counting(), capacity=2)
+    assert tokens.concatenative
+    facts = [pb.RetrievedFact(fact_id=name, text=text) for name, text in (("a", "Ana visited Lisbon."),
+                                                                            ("b", " Ben likes 42 owls! "))]
+    question = "def answer(question):"
+    expected = tokenizer.encode(memory_header_text(tokenizer) + "Ana visited Lisbon.\nBen likes 42 owls!\n" + question,
+                                add_special_tokens=False)
+    assert tokens.prompt(facts, question) == expected
+    assert tokens.prompt(facts, question) == expected and len(calls) == 1  # both lines remembered
+    tokens.prompt([pb.RetrievedFact(fact_id="c", text="Chloe writes poems.")], "")
+    assert tokens.prompt(facts[1:], "") and calls[-1] == ["Chloe writes poems.\n"]  # b stayed, a left (capacity 2)
+    tokens.prompt(facts[:1], "")
+    assert calls[-1] == ["Ana visited Lisbon.\n"]
+
+
+def test_a_tokenizer_whose_pieces_do_not_concatenate_keeps_text_prompts(tiny_llama_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from inference_node.memory_prompt import MemoryTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    class Prefixing:
+        """Like a SentencePiece tokenizer that adds a word-start marker to every piece it is given."""
+
+        def encode(self, text, add_special_tokens=True):
+            return [7, *tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    assert not MemoryTokens(Prefixing()).concatenative
