@@ -62,20 +62,24 @@ class PhaseResult:
     calls: int = 0
     kept: int = 0
     lost: list[str] = field(default_factory=list)
-    latencies_ms: list[float] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)  # RetrieveAndStage, of the calls that kept their memory
+    fetch_latencies_ms: list[float] = field(default_factory=list)  # the FetchKv after it (--fetch)
     wall_s: float = 0.0
     work: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         ordered = sorted(self.latencies_ms)
 
-        def quantile(q: float) -> float | None:
-            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+        def quantile(q: float, values: list[float] = ordered) -> float | None:
+            return round(values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
+
+        fetches = sorted(self.fetch_latencies_ms)
 
         per_call = {name: round(value / self.calls, 1) if self.calls else None for name, value in self.work.items()}
         return {"callers": self.callers, "calls": self.calls, "calls_per_s": round(self.calls / self.wall_s, 1),
                 "p50_ms": quantile(0.5), "p99_ms": quantile(0.99),
                 "mean_ms": round(statistics.fmean(ordered), 2) if ordered else None,
+                "fetch_p50_ms": quantile(0.5, fetches), "fetch_p99_ms": quantile(0.99, fetches),
                 "kept_memory": self.kept, "lost_memory": len(self.lost), "lost_examples": self.lost[:3],
                 "work_per_call": per_call}
 
@@ -116,13 +120,15 @@ async def closed_loop(stub: memory_pb2_grpc.MemoryServiceStub, requests: list[pb
             started = time.perf_counter()
             try:
                 response = await stub.RetrieveAndStage(request, timeout=timeout_s)
+                elapsed_ms = (time.perf_counter() - started) * 1000
                 if fetch:
+                    fetch_started = time.perf_counter()
                     await fetch_facts(stub, request, response)
+                    result.fetch_latencies_ms.append((time.perf_counter() - fetch_started) * 1000)
             except grpc.aio.AioRpcError as error:
                 result.calls += 1
                 result.lost.append(f"{request.user_id}: {error.code().name}")
                 continue
-            elapsed_ms = (time.perf_counter() - started) * 1000
             result.calls += 1
             ready = sum(1 for fact in response.facts if fact.kv_ready)
             if len(response.facts) == k and ready == k and response.header_content_id:

@@ -623,7 +623,8 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
     width = max(12, max(len(name) for name in names) + 2)
     for k in next(iter(results.values())):
         rows = {name: results[name][k] for name in names if k in results[name]}
-        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests']} requests each) {'-' * 22}")
+        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests'] + rows['kv'].get('lost_memory', 0)} requests "
+              f"each) {'-' * 22}")
         print(f"{'':<34}" + "".join(f"{name:>{width}}" for name in rows))
         for label, value, spec in metric_rows:
             print(f"{label:<34}" + "".join(f"{_fmt(value(r), spec):>{width}}" for r in rows.values()))
@@ -639,7 +640,9 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                                 for r in rows.values()))
         kv = rows["kv"]
         for baseline in ("text", "text-stable"):
-            if baseline in rows:
+            if baseline in rows and (kv.get("lost_memory") or rows[baseline].get("lost_memory")):
+                print(f"kv/{baseline}: n/a (requests lost their memory: not a result)")
+            elif baseline in rows:
                 other = rows[baseline]
                 print(f"kv/{baseline}: query-to-first-token p50 "
                       f"{ratio(kv['query_to_first_token_ms']['p50'], other['query_to_first_token_ms']['p50'])}, "
@@ -648,14 +651,16 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                       f"{ratio(kv['throughput_rps'], other['throughput_rps'])}x")
         if "off" in rows:
             for name, row in rows.items():
-                if name != "off" and "engine_queue_ms" in row:
+                if name != "off" and "engine_queue_ms" in row and not row.get("lost_memory"):
                     print(f"{name} - off: {engine_breakdown(row, rows['off'])}")
         for name, row in rows.items():
             if name.startswith("kv-tail"):
                 cost = row["engine_ttft_ms"]["mean"] / kv["engine_ttft_ms"]["mean"] - 1
                 print(f"{name}: engine TTFT {_fmt(row['engine_ttft_ms']['mean'], '{:.1f}')} ms, "
                       f"{_fmt(100 * cost, '{:+.1f}')}% over kv")
-        if "kv-warm" in rows:
+        if "kv-warm" in rows and (kv.get("lost_memory") or rows["kv-warm"].get("lost_memory")):
+            print("cold node cache: n/a (requests lost their memory: not a result)")
+        elif "kv-warm" in rows:
             warm, miss_rate = rows["kv-warm"], 1 - (kv["node_cache_hit_rate"] or 0.0)
             extra = kv["query_to_first_token_ms"]["p50"] - warm["query_to_first_token_ms"]["p50"]
             fetched = kv.get("facts_fetched_per_request") or 0.0

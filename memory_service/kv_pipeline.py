@@ -4,6 +4,7 @@ validated (memory_service.validation)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -24,6 +25,9 @@ from memory_service.models import AnnouncedProfile, KvUpload, StoredFact, Stored
 
 log = structlog.get_logger(__name__)
 
+# Blobs FetchKv holds at once, over every call (each ~4.4 MiB at the Llama-3-8B shape, about three copies while it
+# is written out): the service's memory for fetches is bounded whatever the number of streams.
+FETCH_BLOBS_IN_FLIGHT = 32
 # How long a staging handle is meant to be used for: the facts it names may change (and their KV with them) after it.
 STAGING_TTL_S = 60.0
 
@@ -96,6 +100,7 @@ class KvPipeline:
         self._lease_max_facts = lease_max_facts
         self._lease_seconds = lease_seconds
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
+        self._fetch_slots = asyncio.Semaphore(FETCH_BLOBS_IN_FLIGHT)
 
     # ------------------------------------------------------------------ profiles
 
@@ -235,11 +240,13 @@ class KvPipeline:
                              total_bytes=sum(e.nbytes for e in ready), expires_at=time.time() + STAGING_TTL_S)
 
     async def fetch(self, keys: Sequence[KvKey]) -> AsyncIterator[tuple[KvKey, bytes | None]]:
-        """Each key with its blob, in order: None where the index lists nothing under exactly that key. One index
-        lookup for all of them, then one read at a time (a caller streams each blob before the next is read)."""
-        listed = await run_blocking(self._kv_store.listed, keys)
+        """Each key with its blob, in order: None where the index does not list exactly that key when its turn comes
+        (checked just before each read, so a delete acknowledged meanwhile stops the rest of a stream). One blob at a
+        time per call, and at most FETCH_BLOBS_IN_FLIGHT across calls: each is held from its read until the caller
+        has taken it (streamed it), so many slow fetches cannot pile blobs up in memory."""
         for key in keys:
-            yield key, await run_blocking(self._kv_store.read, key) if key in listed else None
+            async with self._fetch_slots:
+                yield key, await run_blocking(self._kv_store.get, key)
 
     # ------------------------------------------------------------------ accounting
 

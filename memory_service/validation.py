@@ -11,7 +11,7 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from inferscale_kv.kv_key import header_key
 from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike, kv_profile_id, profile_fields
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
-from memory_service.models import AnnouncedProfile, KvUpload, NewFact, NewTurn, Query
+from memory_service.models import AnnouncedProfile, FactKvRef, KvUpload, NewFact, NewTurn, Query
 
 MAX_ID_CHARS = 128
 # Ids appear in storage filters; this alphabet (no quotes, spaces or separators) keeps them inert there.
@@ -193,6 +193,15 @@ def resolve_page_size(page_size: int, limits: Limits) -> int:
 def validate_fact_ids(fact_ids: Sequence[str], limits: Limits) -> list[str]:
     _check_batch(len(fact_ids), "fact_ids", limits.max_delete_ids)
     return list(dict.fromkeys(validate_id(fact_id, f"fact_ids[{i}]") for i, fact_id in enumerate(fact_ids)))
+
+
+def validate_kv_refs(refs: Sequence[Any], limits: Limits) -> list[FactKvRef]:
+    """A FetchKv's fact references (none: the header alone): at most a request's facts (--max-top-k), each with a
+    valid fact id."""
+    if len(refs) > limits.max_top_k:
+        raise LimitExceeded("facts", f"{len(refs)} entries exceeds the limit of {limits.max_top_k} per call")
+    return [FactKvRef(validate_id(ref.fact_id, f"facts[{index}].fact_id"), ref.version, ref.content_id)
+            for index, ref in enumerate(refs)]
 
 
 def encode_page_token(last_fact_id: str) -> str:

@@ -200,3 +200,12 @@ def test_requests_that_lost_their_memory_are_counted_apart_and_never_in_the_figu
     assert row["lost_memory_examples"] == ["memory service: DEADLINE_EXCEEDED"]
     assert row["query_to_first_token_ms"]["p99"] < 100 and row["mean_prompt_tokens"] == 700
     assert math.isnan(row["throughput_rps"])  # it covers every request: withheld
+
+
+def test_no_ratio_is_drawn_from_a_row_whose_requests_lost_their_memory(capsys) -> None:
+    lost = {**_row(0.5, 1.0), "lost_memory": 3, "lost_memory_examples": ["memory service: DEADLINE_EXCEEDED"]}
+    report({"kv": {"50": lost}, "text": {"50": _row(4)}, "off": {"50": _row(0.5)}}, "test")
+    out = capsys.readouterr().out
+    assert "kv/text: n/a (requests lost their memory: not a result)" in out
+    assert "kv/text: query-to-first-token" not in out and "kv - off:" not in out
+    assert "Requests that lost their memory" in out
