@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
+.PHONY: install lint test demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,15 @@ $(INSTALLED): $(PY) pyproject.toml setup.py $(wildcard proto/inferscale/v1/*.pro
 
 install: $(INSTALLED)
 
-test: install
+# The house's conventions: ruff (lint and import order) and mypy, configured in pyproject.toml.
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+# The monitoring tests run a real Prometheus and promtool: Debian's package, installed when missing (as root).
+test: lint
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus)
 	$(PY) -m pytest
 
 # The long load test (200 RetrieveAndStage callers for 60 s on 1,000 users x 100 facts, ongoing ingest, isolation

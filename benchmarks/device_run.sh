@@ -5,7 +5,8 @@
 # service, KV worker and node in their own session, gives the users their memories, warms them up and records it all
 # under /tmp/inferscale-bench/<servers>/ (state.json: pids, ports, logs, phases done); the measuring stages attach to
 # those servers and measure one workload each, every measurement written to OUT as it finishes. A prepare cut at the
-# limit resumes where it stopped when run again; a measuring stage that finds its servers gone says so (exit 3).
+# limit resumes where it stopped when run again; a measuring stage that finds its servers gone says so (exit 4; exit 3
+# is serve's: requests lost their memory).
 #
 #   bash benchmarks/device_run.sh OUT prepare-latency     # 4 users x 60 facts (k sweep) + 4 long users, node for both
 #   bash benchmarks/device_run.sh OUT latency             # k = 1 2 5 10 20 50, 1 in flight; then the crossover
@@ -60,7 +61,7 @@ attach() {  # servers NAME OUTPUT [serve flags]
   set -e
   if [ "$status" -ne 0 ] && grep -q "rerun the prepare stage\|no prepared servers" "$out/$output.txt"; then
     echo "device_run: the $name servers are gone: run the prepare-$name stage again" >&2
-    exit 3
+    exit 4
   fi
   return "$status"
 }

@@ -2,11 +2,11 @@
 
     python -m benchmarks.gpu_failure_path --output OUT_DIR [--work DIR] [--runs default v2 v1]
 
-Builds the tiny fp32 Llama (under --work), then runs `harness.engine_scenario local` once per model runner (vLLM's default, Model
-Runner V2, V1; VLLM_USE_V2_MODEL_RUNNER) under the node's settings (every load synchronous, proven resident first;
-kv_load_failure_policy="fail"). Each step's output must equal the same prompt prefilled as text; a defect step
-(lost, stale, device_error) must instead fail its request with an error, and the next request must equal text
-again (why this is checked on the GPU: benchmarks/RESULTS.md, "Refused loads on the GPU"). Writes
+Builds the tiny fp32 Llama (under --work), then runs `harness.engine_scenario local` once per model runner (vLLM's
+default, Model Runner V2, V1; VLLM_USE_V2_MODEL_RUNNER) under the node's settings (every load synchronous, proven
+resident first; kv_load_failure_policy="fail"). Each step's output must equal the same prompt prefilled as text; a
+defect step (lost, stale, device_error) must instead fail its request with an error, and the next request must equal
+text again (why this is checked on the GPU: benchmarks/RESULTS.md, "Refused loads on the GPU"). Writes
 OUT_DIR/failure_path.json, prints one line per (run, step) and ends with a verdict; exits 1 if any step is wrong.
 """
 

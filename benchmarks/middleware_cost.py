@@ -81,7 +81,7 @@ def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageRespons
     middleware._header_ids = memory_header_ids(tokenizer)
     middleware._header_text = memory_header_text(tokenizer)
     middleware._memory_tokens = MemoryTokens(tokenizer)
-    middleware._stub = _Service(response)  # type: ignore[assignment]
+    middleware._stub = _Service(response)
     return middleware, app
 
 

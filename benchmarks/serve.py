@@ -93,10 +93,33 @@ class Sample:
     total_s: float
     prompt_tokens: int
     cached_tokens: int  # injected by the connector or reused from vLLM's prefix cache
+    memory_lost: str | None = None  # why the answer lacks the memory its contender asked for (None: it has it)
+
+
+def memory_lost(summary: dict, memory: dict, expected_facts: int) -> str | None:
+    """Why a request came back without the memory its contender asked for, read off the node's x-inferscale-memory
+    summary: the memory dropped (the memory service failed or was late), fewer facts than the user's top-k, or in kv
+    mode facts served as text that the contender wanted injected. None: the request has its memory."""
+    mode = memory.get("mode", "kv")
+    if mode == "off":
+        return None
+    if summary.get("memory") == "dropped" or summary.get("error"):
+        return summary.get("error") or f"memory dropped ({summary.get('reason')})"
+    facts = summary.get("facts", 0)
+    if facts < expected_facts:
+        return f"{facts} of {expected_facts} facts"
+    if mode == "kv" and summary.get("served_as") != "text":  # kv-auto may serve a memory below the crossover as text
+        if summary.get("header_kv") == "missing":
+            return "no header KV: nothing injected"
+        wanted = max(expected_facts - memory.get("recompute_tail_facts", 0), 0)
+        if summary.get("kv_facts", 0) < wanted:
+            return f"{summary.get('kv_facts', 0)} of {wanted} facts injected"
+    return None
 
 
 def one_request(client, model: str, user: str, question: str, memory: dict, k: int, max_tokens: int,
-                contender: str = "") -> Sample:
+                contender: str = "", expected_facts: int = 0) -> Sample:
+    """One streamed chat request; `expected_facts`: the facts the user's memory holds for it (min(k, facts))."""
     started = time.perf_counter()
     first = None
     chunks = 0
@@ -120,18 +143,24 @@ def one_request(client, model: str, user: str, question: str, memory: dict, k: i
     generated = usage.completion_tokens if usage else chunks
     return Sample(contender, k, first - started, first - started - stage_s,
                   (end - first) / max(generated - 1, 1), end - started, usage.prompt_tokens if usage else 0,
-                  (details.cached_tokens or 0) if details else 0)
+                  (details.cached_tokens or 0) if details else 0, memory_lost(summary, memory, expected_facts))
 
 
 def summarize(samples: list[Sample], wall_s: float) -> dict:
+    """A contender's figures over the requests that kept their memory; those that lost it are counted apart
+    (`lost_memory`) and never inside a latency, a prompt size or a ratio."""
+    kept = [s for s in samples if s.memory_lost is None]
+    lost = [s.memory_lost for s in samples if s.memory_lost is not None]
     return {
-        "requests": len(samples),
-        "query_to_first_token_ms": percentiles_ms([s.query_to_first_token_s for s in samples]),
-        "ttft_ms": percentiles_ms([s.ttft_s for s in samples]),
-        "tpot_ms": percentiles_ms([s.tpot_s for s in samples]),
-        "throughput_rps": len(samples) / wall_s,
-        "mean_prompt_tokens": sum(s.prompt_tokens for s in samples) / len(samples),
-        "mean_cached_tokens": sum(s.cached_tokens for s in samples) / len(samples),
+        "requests": len(kept),
+        "lost_memory": len(lost),
+        "lost_memory_examples": lost[:3],
+        "query_to_first_token_ms": percentiles_ms([s.query_to_first_token_s for s in kept]),
+        "ttft_ms": percentiles_ms([s.ttft_s for s in kept]),
+        "tpot_ms": percentiles_ms([s.tpot_s for s in kept]),
+        "throughput_rps": len(kept) / wall_s if not lost else math.nan,
+        "mean_prompt_tokens": sum(s.prompt_tokens for s in kept) / len(kept) if kept else math.nan,
+        "mean_cached_tokens": sum(s.cached_tokens for s in kept) / len(kept) if kept else math.nan,
     }
 
 
@@ -365,12 +394,15 @@ def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
 
 
 def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: str, memory: dict, k: int, load: str,
-                  max_tokens: int, base_url: str) -> dict:
-    """One contender at one load: "c<N>" = closed loop with N in flight, "r<R>" = open loop at R requests/s."""
+                  max_tokens: int, base_url: str, facts_of: dict[str, list[pb.FactInput]]) -> dict:
+    """One contender at one load: "c<N>" = closed loop with N in flight, "r<R>" = open loop at R requests/s. A row
+    in which any request lost its memory keeps that count (`lost_memory`) and loses the figures that cover every
+    request (throughput, vLLM's histograms: NaN, so no ratio is drawn from them)."""
     before = node_counters(base_url)
 
     def ask(job: tuple[str, str]) -> Sample:
-        return one_request(client, model, job[0], job[1], memory, k, max_tokens, contender)
+        return one_request(client, model, job[0], job[1], memory, k, max_tokens, contender,
+                           min(k, len(facts_of[job[0]])))
 
     started = time.perf_counter()
     if load.startswith("c"):
@@ -386,9 +418,10 @@ def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: st
             samples = [future.result() for future in futures]
     row = summarize(samples, time.perf_counter() - started)
     after = node_counters(base_url)
-    row["engine_ttft_ms"] = engine_ttft_ms(before, after)
-    row["engine_queue_ms"] = engine_ttft_ms(before, after, "queue")
-    row["engine_prefill_ms"] = engine_ttft_ms(before, after, "prefill")
+    for metric, histogram in (("engine_ttft_ms", "ttft"), ("engine_queue_ms", "queue"),
+                              ("engine_prefill_ms", "prefill")):
+        row[metric] = ({"mean": math.nan} if row["lost_memory"] else
+                       engine_ttft_ms(before, after, histogram))
     row["node_cache_hit_rate"] = hit_rate(before, after) if memory["mode"] == "kv" else None
     row["prefix_cache_hit_rate"] = counter_ratio(before, after, "prefix_cache_hits", "prefix_cache_queries")
     row["facts_fetched_per_request"] = (after.get("facts_fetched", 0.0) - before.get("facts_fetched", 0.0)) / len(jobs)
@@ -587,7 +620,8 @@ def measure(session: Session, plan: WorkloadPlan, args: argparse.Namespace, load
                                 node_cache=True, compile_paths=False)
                         asked = plan.workload.jobs(args.requests, rng, plan.warm_users)
                     row = run_contender(client, model, [(rename[user], question) for user, question in asked],
-                                        contender, memory, k, load, args.max_tokens, base_url)
+                                        contender, memory, k, load, args.max_tokens, base_url,
+                                        {user: plan.workload.facts[base] for base, user in rename.items()})
                     outcome["results"].setdefault(load, {}).setdefault(contender, {})[str(k)] = row
                     progress.update(len(asked))
                     on_result()
@@ -749,6 +783,15 @@ def main() -> None:
                       f"{row['compose_ms_p50']:.2f} + cache writes {row['write_ms_p50']:.2f}")
     save()
     print(f"\nJSON: {args.output / 'results.json'}   plots under {args.output}/<workload>/")
+    lost = [(name, load, contender, k, row) for name, outcome in workloads.items()
+            for load, by_contender in outcome["results"].items() for contender, by_k in by_contender.items()
+            for k, row in by_k.items() if row.get("lost_memory")]
+    if lost:
+        print("\n" + "!" * 78 + "\nREQUESTS LOST THEIR MEMORY: these rows are not results (their throughput and vLLM "
+              "figures are withheld, their latencies cover only the requests that kept it):")
+        for name, load, contender, k, row in lost:
+            print(f"  {name} {load} {contender} k={k}: {row['lost_memory']} lost, e.g. {row['lost_memory_examples']}")
+        sys.exit(3)
 
 
 def engine_breakdown(row: dict, off: dict) -> str:
@@ -779,7 +822,8 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
     text and to text-stable, each tail's TTFT cost over kv, and (cold workload) what a node-cache miss costs."""
     names = list(results)
     print(f"\n{'=' * 20} InferScale Serving Benchmark Result {'=' * 20}\n{title}")
-    metric_rows = [("Request throughput (req/s)", lambda r: r["throughput_rps"], "{:.2f}"),
+    metric_rows = [("Requests that lost their memory", lambda r: r.get("lost_memory"), "{:d}"),
+                   ("Request throughput (req/s)", lambda r: r["throughput_rps"], "{:.2f}"),
                    ("Mean prompt tokens", lambda r: r["mean_prompt_tokens"], "{:.0f}"),
                    ("Mean cached prompt tokens", lambda r: r["mean_cached_tokens"], "{:.0f}"),
                    ("Node-cache hit rate", lambda r: r["node_cache_hit_rate"], "{:.2f}"),
@@ -788,7 +832,8 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
     width = max(12, max(len(name) for name in names) + 2)
     for k in next(iter(results.values())):
         rows = {name: results[name][k] for name in names if k in results[name]}
-        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests']} requests each) {'-' * 22}")
+        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests'] + rows['kv'].get('lost_memory', 0)} requests "
+              f"each) {'-' * 22}")
         print(f"{'':<34}" + "".join(f"{name:>{width}}" for name in rows))
         for label, value, spec in metric_rows:
             print(f"{label:<34}" + "".join(f"{_fmt(value(r), spec):>{width}}" for r in rows.values()))
@@ -804,7 +849,9 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                                 for r in rows.values()))
         kv = rows["kv"]
         for baseline in ("text", "text-stable"):
-            if baseline in rows:
+            if baseline in rows and (kv.get("lost_memory") or rows[baseline].get("lost_memory")):
+                print(f"kv/{baseline}: n/a (requests lost their memory: not a result)")
+            elif baseline in rows:
                 other = rows[baseline]
                 print(f"kv/{baseline}: query-to-first-token p50 "
                       f"{ratio(kv['query_to_first_token_ms']['p50'], other['query_to_first_token_ms']['p50'])}, "
@@ -813,14 +860,16 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                       f"{ratio(kv['throughput_rps'], other['throughput_rps'])}x")
         if "off" in rows:
             for name, row in rows.items():
-                if name != "off" and "engine_queue_ms" in row:
+                if name != "off" and "engine_queue_ms" in row and not row.get("lost_memory"):
                     print(f"{name} - off: {engine_breakdown(row, rows['off'])}")
         for name, row in rows.items():
             if name.startswith("kv-tail"):
                 cost = row["engine_ttft_ms"]["mean"] / kv["engine_ttft_ms"]["mean"] - 1
                 print(f"{name}: engine TTFT {_fmt(row['engine_ttft_ms']['mean'], '{:.1f}')} ms, "
                       f"{_fmt(100 * cost, '{:+.1f}')}% over kv")
-        if "kv-warm" in rows:
+        if "kv-warm" in rows and (kv.get("lost_memory") or rows["kv-warm"].get("lost_memory")):
+            print("cold node cache: n/a (requests lost their memory: not a result)")
+        elif "kv-warm" in rows:
             warm, miss_rate = rows["kv-warm"], 1 - (kv["node_cache_hit_rate"] or 0.0)
             extra = kv["query_to_first_token_ms"]["p50"] - warm["query_to_first_token_ms"]["p50"]
             fetched = kv.get("facts_fetched_per_request") or 0.0

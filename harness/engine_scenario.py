@@ -119,6 +119,7 @@ def main(mode: str, args: list[str]) -> None:
     from vllm.config import KVTransferConfig
     from vllm.config.model import ModelDType
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core_client import InprocClient
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -155,6 +156,7 @@ def main(mode: str, args: list[str]) -> None:
     engine = llm.llm_engine.engine_core
     assert isinstance(engine, InprocClient)  # VLLM_ENABLE_V1_MULTIPROCESSING=0
     vllm_scheduler = engine.engine_core.scheduler
+    assert isinstance(vllm_scheduler, Scheduler)
     scheduler_side, worker_side = vllm_scheduler.get_kv_connector(), get_kv_transfer_group()
     assert isinstance(scheduler_side, InferScaleConnector) and isinstance(worker_side, InferScaleConnector)
     scheduler, worker = scheduler_side._scheduler, worker_side._worker
@@ -224,11 +226,9 @@ def main(mode: str, args: list[str]) -> None:
 
     def outcome(output) -> dict[str, object]:
         completion = output.outputs[0]
-        logprobs = completion.logprobs or []
-        # vLLM types FlatLogprobs' entries optional, though a generated token's entry is always there.
+        logprobs = completion.logprobs or []  # none for a request that failed
         return {"tokens": list(completion.token_ids), "finish_reason": completion.finish_reason,
-                "logprobs": [entry[token].logprob  # type: ignore[index]
-                             for entry, token in zip(logprobs, completion.token_ids, strict=True)],
+                "logprobs": [entry[token].logprob for entry, token in zip(logprobs, completion.token_ids, strict=True)],
                 "external_tokens": output.num_cached_tokens or 0,
                 **(of_request(answers, output.request_id) or {}),
                 "admitted_after": of_request(admitted_after, output.request_id)}

@@ -49,8 +49,14 @@ MODES = ("kv", "text", "off")
 SUMMARY_HEADER = b"x-inferscale-memory"
 
 REQUESTS = Counter("inferscale_node_memory_requests", "requests with a memory field, by mode", ["mode"])
-RETRIEVE_ERRORS = Counter("inferscale_node_retrieve_errors",
-                          "memory requests answered without memory because RetrieveAndStage failed")
+DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
+DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
+MEMORY_DROPPED = Counter("inferscale_node_memory_dropped", "memory requests answered without their memory because "
+                         "RetrieveAndStage failed, by reason (deadline: past --retrieve-timeout-s; unavailable: no "
+                         "replica answered; error: any other status)", ["reason"])
+for _reason in DROP_REASONS:  # each reason's series exists from the start, at 0 in a healthy run
+    MEMORY_DROPPED.labels(reason=_reason)
+_DROP_REASON_OF_CODE = {grpc.StatusCode.DEADLINE_EXCEEDED: DROP_DEADLINE, grpc.StatusCode.UNAVAILABLE: DROP_UNAVAILABLE}
 FACTS_PLACED = Counter("inferscale_node_facts", "facts placed in prompts, by how", ["how"])
 CLIENT_PLANS_REFUSED = Counter("inferscale_node_client_plans_refused",
                                "client-sent kv_transfer_params and reserved cache salts removed from request bodies")
@@ -221,8 +227,11 @@ class MemoryMiddleware:
             response = await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
                                                    metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
-            RETRIEVE_ERRORS.inc()
-            summary.update(error=f"memory service: {exc.code().name}", facts=0, injectable_tokens=0)
+            # The one case a memory request is answered without its memory: counted, and said in the header.
+            reason = _DROP_REASON_OF_CODE.get(exc.code(), DROP_ERROR)
+            MEMORY_DROPPED.labels(reason=reason).inc()
+            summary.update(memory="dropped", reason=reason, error=f"memory service: {exc.code().name}", facts=0,
+                           injectable_tokens=0)
             return {}
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)

@@ -9,7 +9,8 @@ Credentials file (JSON, `--auth-file`), tokens stored only as SHA-256 hex digest
       {"name": "workers", "role": "worker", "token_sha256": "..."}]}
 
 Roles name the RPCs a credential may call; `user_prefix` is its tenant's user namespace: every user_id it names must
-start with it ("" = every user); it ends with a separator (`acme/`, not `acme`, which would also admit `acme2/...`). Workers and admins see every user's facts by nature, so they take no prefix.
+start with it ("" = every user); it ends with a separator (`acme/`, not `acme`, which would also admit `acme2/...`).
+Workers and admins see every user's facts by nature, so they take no prefix.
 `max_facts` and `max_kv_bytes` (optional, prefixed credentials only) are the tenant's quotas: an IngestFacts that
 would create facts past `max_facts`, or that comes while the tenant's stored KV is at `max_kv_bytes`, is
 RESOURCE_EXHAUSTED.
@@ -28,6 +29,8 @@ from collections.abc import Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+
+from google.protobuf.message import Message
 
 from inferscale_kv.call_credentials import AUTHORIZATION_KEY, BEARER_PREFIX
 from memory_service.config import ConfigError
@@ -60,7 +63,7 @@ class Principal:
     max_facts: int | None = None
     max_kv_bytes: int | None = None
 
-    def authorize(self, method: str, request: object) -> None:
+    def authorize(self, method: str, request: Message) -> None:
         """Raises PermissionDenied unless this caller may call `method` for the users `request` names."""
         if self.role != "admin" and method not in ROLE_METHODS[self.role]:
             raise PermissionDenied(f"credential {self.name!r} (role {self.role}) may not call {method}")

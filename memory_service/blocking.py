@@ -1,11 +1,10 @@
 """Where the service's blocking calls run (the coordination database, KV tiers, file and object-store I/O).
 
 Reads and writes wait for threads in separate queues: under a flood of RetrieveAndStage calls the read threads are
-all busy and their queue grows, and an IngestFacts that queued its coordination statements behind it stalled for
-tens of seconds (the 3-replica load test's DEADLINE_EXCEEDED). A write RPC runs its blocking calls on the write
-threads, the workers' KV traffic on threads of its own (`blocking_calls_on`, set by the servicer per method);
-everything else on the event loop's default executor: on a shared store 32 read threads, sized for PostgreSQL's
-I/O waits rather than for the CPU count (Python's default has cpu_count + 4 threads: 6 on a 2-core machine)."""
+all busy and their queue grows, and a write queued behind them stalls (benchmarks/RESULTS.md, "Memory service under
+load": the three-replica run's deadline). A write RPC runs its blocking calls on the write threads, the workers' KV
+traffic on threads of its own (`blocking_calls_on`, set by the rpc wrapper per method); everything else on the event
+loop's default executor, which on a shared store is the builder's read threads (memory_service.builder)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,10 @@ class TorchSentenceEncoder:
         torch.set_num_threads(threads)
         self._model = SentenceTransformer(model_dir, device=device)
         self._batch_size = batch_size
-        self.dim = int(self._model.get_embedding_dimension())
+        dim = self._model.get_embedding_dimension()
+        if dim is None:
+            raise ValueError(f"{model_dir}: the model does not declare its embedding dimension")
+        self.dim = int(dim)
 
     def encode(self, texts: list[str]) -> np.ndarray:
         return self._model.encode(texts, batch_size=self._batch_size, normalize_embeddings=True,
@@ -130,7 +133,7 @@ class Embedder:
                 try:
                     vectors = await asyncio.get_running_loop().run_in_executor(
                         self._query_executor, self._embed_blocking, self._query_encoder, [text for text, _ in batch])
-                except Exception as error:  # noqa: BLE001 -- every waiter gets the failure; the next batch runs
+                except Exception as error:  # every waiter gets the failure; the next batch runs
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(error)

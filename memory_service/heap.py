@@ -1,18 +1,17 @@
 """glibc malloc settings for the long-running service, set at the top of `python -m memory_service` before any
 import starts a thread (glibc fixes its arena limit once threads start asking for arenas). Elsewhere than on glibc:
-a no-op.
+a no-op. Why each, with the load test's figures: benchmarks/RESULTS.md, "Memory service under load".
 
 - **Arenas.** Its threads (gRPC, LanceDB's runtime, the embedders, the coordination store) each get an arena of
-  their own by default, and memory freed in one is seldom reused by another: the full load test grew +18.5% with
-  glibc's default arenas and +12.6% with two (2026-12-06).
+  their own by default, and memory freed in one is seldom reused by another: capped at two, the process grows less
+  under steady ingest.
 - **A fixed mmap threshold.** glibc maps blocks from 128 KiB up that its free lists cannot serve, but raises that
   threshold to the size of every mapped block freed, up to 32 MiB. The search cache replaces a user's fact matrix
-  (~150 KiB per 100 facts) with one a write larger, so after the first replacement the matrices were carved from the
-  heap, each freed one leaving a hole just too small for the next: the resident size crept ~18 KiB per ingested fact
-  (+11.5% in the full load test, +1.9% with the threshold fixed, which turns the raising off). The cost: a large
-  temporary (an embedding batch's hidden states) is mapped and unmapped each time instead of reused from the heap.
-  Each large cached matrix is a mapping of its own; a search cache of several GiB of small users could approach the
-  kernel's vm.max_map_count (65,530 by default).
+  with one a write larger, so after the first replacement the matrices were carved from the heap, each freed one
+  leaving a hole just too small for the next, and the resident size crept with every ingested fact; fixing the
+  threshold turns the raising off. The cost: a large temporary (an embedding batch's hidden states) is mapped and
+  unmapped each time instead of reused from the heap. Each large cached matrix is a mapping of its own; a search
+  cache of several GiB of small users could approach the kernel's vm.max_map_count (65,530 by default).
 
 Where glibc's own MALLOC_ARENA_MAX or MALLOC_MMAP_THRESHOLD_ is set, glibc has applied it and it is left alone."""
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from memory_service.kv_pipeline import KvPipeline
+    from memory_service.kv_store import TieredKvStore
+    from memory_service.sql import Database
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -31,7 +39,8 @@ class ServiceMetrics:
             buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000), registry=self.registry,
         )
         self.embedding_duration = Histogram(
-            "inferscale_embedding_duration_seconds", "time to embed an ingest batch, or one query (waiting for its batch included)", ["purpose"],
+            "inferscale_embedding_duration_seconds",
+            "time to embed an ingest batch, or one query (waiting for its batch included)", ["purpose"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.query_batch_queries = Histogram(
@@ -64,15 +73,20 @@ class ServiceMetrics:
         self.kv_uploads = Counter(
             "inferscale_kv_uploads", "fact KV uploads by outcome", ["outcome"], registry=self.registry
         )
+        self.kv_fetched_blobs = Counter(
+            "inferscale_kv_fetched_blobs", "blobs FetchKv was asked for, by outcome (missing: not listed under that "
+            "key, or gone when read: the node recomputes those tokens)", ["outcome"], registry=self.registry)
+        for outcome in ("served", "missing"):
+            self.kv_fetched_blobs.labels(outcome=outcome)
         self.kv_work_failures = Counter(
             "inferscale_kv_work_failures", "facts a worker reported it could not encode", registry=self.registry
         )
 
-    def watch_kv(self, kv_store) -> None:
-        """Exports the KV tiers' accounting and the work queue's state, read at scrape time."""
-        self.registry.register(_KvCollector(kv_store))
+    def watch_kv(self, kv_store: TieredKvStore, kv_pipeline: KvPipeline) -> None:
+        """Exports the KV tiers' accounting, the work queue's state and the workers' reports, read at scrape time."""
+        self.registry.register(_KvCollector(kv_store, kv_pipeline))
 
-    def watch_coordination(self, database) -> None:
+    def watch_coordination(self, database: Database) -> None:
         """Exports the statements sent to the coordination store (SQLite or PostgreSQL), read at scrape time."""
         self.registry.register(_CountCollector(
             "inferscale_coordination_statements", "SQL statements sent to the coordination store",
@@ -88,20 +102,21 @@ WORKER_METRICS_WINDOW_S = 600.0
 
 
 class _CountCollector(Collector):
-    def __init__(self, name: str, documentation: str, read) -> None:
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         self._name, self._documentation, self._read = name, documentation, read
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self._name, self._documentation)
         family.add_metric([], self._read())
         yield family
 
 
 class _KvCollector(Collector):
-    def __init__(self, kv_store) -> None:
-        self._kv = kv_store
+    def __init__(self, kv_store: TieredKvStore, kv_pipeline: KvPipeline) -> None:
+        self._kv_store = kv_store
+        self._kv_pipeline = kv_pipeline
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         tier_gauges = {
             "entries": GaugeMetricFamily("inferscale_kv_tier_entries", "KV blobs held, by tier", labels=["tier"]),
             "bytes": GaugeMetricFamily("inferscale_kv_tier_bytes", "KV bytes held, by tier", labels=["tier"]),
@@ -112,7 +127,7 @@ class _KvCollector(Collector):
             "lookups": CounterMetricFamily("inferscale_kv_tier_lookups", "KV lookups in the tier", labels=["tier"]),
             "evictions": CounterMetricFamily("inferscale_kv_tier_evictions", "KV blobs evicted", labels=["tier"]),
         }
-        for tier in self._kv.tiers:
+        for tier in self._kv_store.tiers:
             for name, family in (tier_gauges | tier_counters).items():
                 family.add_metric([tier.name], getattr(tier.stats, name))
             budget.add_metric([tier.name], tier.budget_bytes)
@@ -121,17 +136,30 @@ class _KvCollector(Collector):
         yield from tier_counters.values()
         requests = CounterMetricFamily("inferscale_object_store_requests", "requests to the shared object store "
                                        "for fact KV (LanceDB's own are not counted)")
-        requests.add_metric([], getattr(self._kv.disk, "requests", 0))
+        requests.add_metric([], getattr(self._kv_store.durable, "requests", 0))
         yield requests
-        corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "disk blobs that failed their checksum")
-        corrupt.add_metric([], self._kv.corrupt_blobs)
+        read = CounterMetricFamily("inferscale_kv_bytes_read", "fact KV bytes read for FetchKv, by tier (the host "
+                                   "cache, or the durable tier on a miss; concurrent misses of a blob share one read)",
+                                   labels=["tier"])
+        for tier_name, read_bytes in self._kv_store.bytes_read.items():
+            read.add_metric([tier_name], read_bytes)
+        yield read
+        served = CounterMetricFamily("inferscale_kv_bytes_served", "fact KV bytes handed to FetchKv")
+        served.add_metric([], self._kv_store.bytes_served)
+        yield served
+        corrupt = CounterMetricFamily("inferscale_kv_corrupt_blobs", "durable-tier blobs that failed their checksum")
+        corrupt.add_metric([], self._kv_store.corrupt_blobs)
         yield corrupt
+        lost = CounterMetricFamily("inferscale_kv_lost_blobs", "indexed blobs whose durable copy was gone when read "
+                                   "(their facts are computed again)")
+        lost.add_metric([], self._kv_store.lost_blobs)
+        yield lost
         queue = GaugeMetricFamily("inferscale_kv_queue_facts", "facts in the KV pipeline by profile and state",
                                   labels=["profile_id", "state"])
         lag = GaugeMetricFamily("inferscale_kv_queue_lag_seconds", "age of the oldest queued fact",
                                 labels=["profile_id"])
-        for profile_id in self._kv.index.profiles():
-            counts = self._kv.index.counts(profile_id)
+        for profile_id in self._kv_pipeline.profiles():
+            counts = self._kv_pipeline.counts(profile_id)
             for state in ("queued", "leased", "done", "failed"):
                 queue.add_metric([profile_id, state], getattr(counts, state))
             lag.add_metric([profile_id], counts.lag_seconds)
@@ -145,10 +173,10 @@ class _KvCollector(Collector):
                                          "device memory", labels=["worker_id"])
         utilization = GaugeMetricFamily("inferscale_worker_device_utilization_percent", "a precompute worker's "
                                         "device utilization, as it last reported", labels=["worker_id"])
-        for worker in self._kv.index.workers(WORKER_METRICS_WINDOW_S):
+        for worker in self._kv_pipeline.recent_workers(WORKER_METRICS_WINDOW_S):
             capacity.add_metric([worker.worker_id], worker.facts_per_second)
             if worker.device:
-                device_used.add_metric([worker.worker_id], worker.device["memory_used_bytes"])
-                device_total.add_metric([worker.worker_id], worker.device["memory_total_bytes"])
-                utilization.add_metric([worker.worker_id], worker.device["utilization_percent"])
+                device_used.add_metric([worker.worker_id], worker.device.memory_used_bytes)
+                device_total.add_metric([worker.worker_id], worker.device.memory_total_bytes)
+                utilization.add_metric([worker.worker_id], worker.device.utilization_percent)
         yield from (capacity, device_used, device_total, utilization)

@@ -1,4 +1,5 @@
-"""Validated domain records that flow between the gRPC layer and the store."""
+"""Validated domain records that flow between the gRPC layer and the domain (memory_service.operations, the fact
+store, the KV pipeline): wire-format free."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import Enum
+
+import numpy as np
+
+from inferscale_kv.kv_key import KvKey
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,38 @@ class StoreCounts:
     users: int
     facts: int
     turns: int
+
+
+@dataclass(frozen=True)
+class Query:
+    """A search's query: its text, embedded by the service, or the caller's own embedding of it (a unit vector of
+    the service's embedding model)."""
+
+    text: str = ""
+    vector: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class AnnouncedProfile:
+    """A KV profile a caller serves: its id and its fields (inferscale_kv.profile.PROFILE_FIELDS)."""
+
+    profile_id: str
+    fields: dict[str, str | int]
+
+
+@dataclass(frozen=True)
+class KvUpload:
+    """A checked KV blob: the key and token ids its header names."""
+
+    key: KvKey
+    token_ids: tuple[int, ...]
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class FactKvRef:
+    """One version of a fact's KV, named by the content id its entry was listed with."""
+
+    fact_id: str
+    version: int
+    content_id: str

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inferscale_kv.blob import CorruptKvBlob, read_kv_header
 from inferscale_kv.eviction import LruEviction
 from inferscale_kv.kv_key import KvKey
 from memory_service.kv_tiers import AdmitAll, DiskTier, KvTier, blob_name, key_of_blob_name
@@ -49,7 +48,7 @@ class S3Settings:
 
         return boto3.client("s3", endpoint_url=self.endpoint or None, region_name=self.region,
                             config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                                          max_pool_connections=32))
+                                          max_pool_connections=32, connect_timeout=5, read_timeout=30))
 
 
 @dataclass(frozen=True)
@@ -82,16 +81,18 @@ class StoreLocation:
 
     @property
     def lancedb_uri(self) -> str:
-        return f"s3://{self.bucket}/{self._key('lancedb')}" if self.shared else str(self.local_dir / "lancedb")
+        if self.local_dir is None:
+            return f"s3://{self.bucket}/{self._key('lancedb')}"
+        return str(self.local_dir / "lancedb")
 
     @property
     def lancedb_options(self) -> dict[str, str] | None:
         return self.s3.storage_options() if self.shared else None
 
     def durable_kv_tier(self, disk_budget_bytes: int) -> KvTier:
-        """The tier every stored blob is written to first: files under <dir>/kv/blobs, or objects under
-        <prefix>/kv/ (unbounded: the bucket is the limit)."""
-        if self.shared:
+        """The tier every stored blob is written to first: files under <dir>/kv/blobs (within `disk_budget_bytes`),
+        or objects under <prefix>/kv/ (unbounded: the bucket is the limit)."""
+        if self.local_dir is None:
             return ObjectStoreTier(self.s3.client(), self.bucket, self._key("kv"))
         return DiskTier(self.local_dir / "kv" / "blobs", disk_budget_bytes, LruEviction(), AdmitAll())
 
@@ -100,26 +101,29 @@ class StoreLocation:
 
 
 class ObjectStoreTier(KvTier):
-    """Durable tier in a bucket shared by every replica: one object per blob, named like the disk tier's files.
-    It never evicts (its budget is the bucket's); reads verify the blob's checksum and key, and a corrupt object is
-    deleted and reported through `on_corrupt`. Its counters are this replica's traffic, not the bucket's content
-    (other replicas write it too). `requests` counts the calls made to the store."""
+    """Durable tier in a bucket shared by every replica: one object per blob, named like the disk tier's files; reads
+    check each blob (checksum, key). It never evicts (its budget is the bucket's) and keeps no local index: an S3 PUT
+    replaces an object atomically. Its counters are this replica's traffic, not the bucket's content (other replicas
+    write it too). `requests` counts the calls made to the store."""
 
     def __init__(self, client, bucket: str, prefix: str) -> None:
-        super().__init__("object-store", sys.maxsize, LruEviction(), AdmitAll())
+        super().__init__("object-store", sys.maxsize)
         self._client = client
         self.bucket = bucket
         self.prefix = prefix
-        self.on_corrupt = lambda key: None
         self.requests = 0
 
     def _object(self, key: KvKey) -> str:
         return f"{self.prefix}/{blob_name(key)}"
 
+    def _request(self) -> None:
+        with self._lock:
+            self.requests += 1
+
     def _head(self, key: KvKey) -> int | None:
         from botocore.exceptions import ClientError
 
-        self.requests += 1
+        self._request()
         try:
             return self._client.head_object(Bucket=self.bucket, Key=self._object(key))["ContentLength"]
         except ClientError as error:
@@ -130,57 +134,41 @@ class ObjectStoreTier(KvTier):
     def contains(self, key: KvKey) -> bool:
         return self._head(key) is not None
 
-    def _read(self, key: KvKey) -> bytes | None:
-        self.requests += 1
+    def get(self, key: KvKey) -> bytes | None:
+        self._request()
         try:
             blob = self._client.get_object(Bucket=self.bucket, Key=self._object(key))["Body"].read()
         except self._client.exceptions.NoSuchKey:
+            self._count_lookup(hit=False)
             return None
-        try:
-            if read_kv_header(blob).key != key:
-                raise CorruptKvBlob("the blob names another key than its object")
-        except CorruptKvBlob:
-            self.remove(key)
-            self.on_corrupt(key)
-            return None
-        return blob
+        self._count_lookup(hit=True)
+        return self._verified(key, blob)
 
     def put(self, key: KvKey, blob: bytes, *, pinned: bool = False) -> bool:
-        """Writes the object (an S3 PUT replaces atomically: no removal first, no eviction)."""
-        self._write(key, blob)
-        self.stats.entries += 1
-        self.stats.bytes += len(blob)
+        self._request()
+        self._client.put_object(Bucket=self.bucket, Key=self._object(key), Body=blob)
+        with self._lock:
+            self.stats.entries += 1
+            self.stats.bytes += len(blob)
         return True
 
-    def _write(self, key: KvKey, blob: bytes) -> None:
-        self.requests += 1
-        self._client.put_object(Bucket=self.bucket, Key=self._object(key), Body=blob)
-
-    def _delete(self, key: KvKey) -> int:
+    def remove(self, key: KvKey) -> bool:
         size = self._head(key)
         if size is None:
-            return 0
-        self.requests += 1
+            return False
+        self._request()
         self._client.delete_object(Bucket=self.bucket, Key=self._object(key))
-        return size
-
-    def remove(self, key: KvKey) -> bool:
-        freed = self._delete(key)
-        if freed:
+        with self._lock:
             self.stats.entries = max(0, self.stats.entries - 1)
-            self.stats.bytes = max(0, self.stats.bytes - freed)
-        return bool(freed)
-
-    def _size_of(self, key: KvKey) -> int:
-        return self._head(key) or 0
+            self.stats.bytes = max(0, self.stats.bytes - size)
+        return True
 
     def keys(self) -> Iterator[KvKey]:
         """Every blob in the store (a listing: for tests and tools, not the request path)."""
         paginator = self._client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/"):
-            self.requests += 1
+            self._request()
             for item in page.get("Contents", []):
                 key = key_of_blob_name(item["Key"][len(self.prefix) + 1:])
                 if key is not None:
                     yield key
-

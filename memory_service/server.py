@@ -1,4 +1,5 @@
-"""Runs the memory service: gRPC (API, health, reflection), metrics, storage maintenance, shutdown."""
+"""Runs the memory service: the gRPC server (API, health, reflection, ports, TLS) and the metrics endpoint around
+what memory_service.builder makes; health says SERVING once it is built; shutdown on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import asyncio
 import contextlib
 import gc
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -16,6 +15,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from inferscale.v1 import memory_pb2, memory_pb2_grpc
+from memory_service.access import AccessControl
+from memory_service.builder import ServiceBuilder
 from memory_service.config import ServiceConfig
 from memory_service.metrics import ServiceMetrics
 from memory_service.servicer import MemoryServicer
@@ -34,74 +35,27 @@ def _server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
                                        root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
+# Connections are closed (gracefully) after a few minutes, so clients resolve the replicas' address again and spread
+# over replicas added since: gRPC's DNS resolver looks again only when a connection closes.
 CONNECTION_AGE_S = 300
 CONNECTION_AGE_GRACE_S = 30
-# Threads for the blocking calls of reads on a shared store (memory_service.blocking; writes have their own).
-READ_THREADS = 32
-
-
-async def _optimize_periodically(servicer: MemoryServicer) -> None:
-    """Folds small write fragments together and into the user index, so that reading an uncached user stays an
-    index lookup as ingests accumulate: every --optimize-interval-s, or as soon as --optimize-after-writes writes
-    are waiting (a burst of ingest, such as a bulk import, left uncompacted makes every uncached read scan them).
-    A compaction that failed, or that another replica's write preempted, is tried again after a back-off that
-    doubles up to the interval, so a lasting error or a busy shared store does not make it a loop."""
-    config = servicer.config
-    last, backoff_s = time.monotonic(), 0.0
-    while True:
-        await asyncio.sleep(1.0)
-        store = servicer.store
-        if store is None or not store.writes_since_optimize:
-            continue
-        waited = time.monotonic() - last
-        if waited < backoff_s or (store.writes_since_optimize < config.optimize_after_writes
-                                  and waited < config.optimize_interval_s):
-            continue
-        last = time.monotonic()
-        try:
-            started = time.perf_counter()
-            writes = store.writes_since_optimize
-            if await store.optimize():
-                backoff_s = 0.0
-                log.info("store_optimized", writes=writes, seconds=round(time.perf_counter() - started, 3))
-                continue
-        except Exception:  # noqa: BLE001 - maintenance must not take the service down
-            log.exception("store_optimize_failed")
-        backoff_s = min(max(2 * backoff_s, 5.0), config.optimize_interval_s)
-
-
-async def _sweep_tiers_periodically(servicer: MemoryServicer) -> None:
-    """Replicas sharing a store: drops memory-tier KV that another replica deleted (the index no longer lists it)."""
-    while True:
-        await asyncio.sleep(servicer.config.tier_sweep_interval_s)
-        try:
-            dropped = await asyncio.to_thread(servicer.kv.kv.sweep_memory_tiers)
-            if dropped:
-                log.info("kv_tiers_swept", dropped=dropped)
-        except Exception:  # noqa: BLE001 - maintenance must not take the service down
-            log.exception("kv_tier_sweep_failed")
 
 
 async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> None:
-    """Serves until `stop` is set or SIGTERM/SIGINT arrives. Health reports SERVING only once loaded."""
+    """Serves until `stop` is set or SIGTERM/SIGINT arrives. Health reports SERVING only once built."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    if config.coordination_url:
-        # Reads' blocking calls (memory_service.blocking) wait on PostgreSQL: threads for I/O waits, not sized by the
-        # CPU count. On the embedded store they queue for SQLite's one lock anyway, and more threads only contend
-        # (the full load test's saturation: 618 req/s with 32, 746-814 with Python's default).
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="read"))
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
+    access = AccessControl.from_file(config.auth_file)  # a bad credentials file fails the start, before it listens
     metrics = ServiceMetrics()
-    servicer = MemoryServicer(config, metrics)
+    builder = ServiceBuilder(config, metrics)
+    servicer = MemoryServicer(builder, access, metrics, config.limits)
     health = health_aio.HealthServicer()
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        # Connections are closed (gracefully) after a few minutes, so clients resolve the replicas' address again
-        # and spread over replicas added since: gRPC's DNS resolver looks again only when a connection closes.
         ("grpc.max_connection_age_ms", CONNECTION_AGE_S * 1000),
         ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_S * 1000),
     ]
@@ -129,38 +83,31 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     log.info("listening", port=port, metrics_port=config.metrics_port, health_port=config.health_port,
-             tls="mutual" if config.tls_client_ca_file else bool(credentials), access_control=servicer.access.enabled)
+             tls="mutual" if config.tls_client_ca_file else bool(credentials), access_control=access.enabled)
 
-    maintenance: list[asyncio.Task] = []
     try:
-        load = asyncio.create_task(servicer.load())
+        build = asyncio.create_task(builder.build())
         stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if load.done():
-            load.result()
-            # What is alive now (libraries, models: ~400k objects) lives as long as the process. Frozen, it leaves
-            # the garbage collector's view; otherwise every full collection traverses it all, stopping the event
-            # loop 250-350 ms every few seconds under load.
+        await asyncio.wait({build, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if build.done():
+            service = build.result()
+            # What is alive now (libraries, models) lives as long as the process. Frozen, it leaves the garbage
+            # collector's view; otherwise every full collection traverses it all, stopping the event loop.
             gc.collect()
             gc.freeze()
             for name in ("", SERVICE_NAME):
                 await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-            log.info("ready", embedding_model=config.embedding_model, embedding_dim=servicer.embedder.dim)
-            maintenance.append(asyncio.create_task(_optimize_periodically(servicer)))
-            if servicer.kv.kv.index.shared:
-                maintenance.append(asyncio.create_task(_sweep_tiers_periodically(servicer)))
+            log.info("ready", embedding_model=config.embedding_model, embedding_dim=service.embedder.dim)
             await stopped
         else:
-            load.cancel()
+            build.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await build  # what it made so far is closed below, once it stopped making more
     finally:
         log.info("stopping", grace_s=config.shutdown_grace_s)
         await health.enter_graceful_shutdown()
-        for task in maintenance:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         await server.stop(config.shutdown_grace_s)
         if health_server is not None:
             await health_server.stop(0)
-        await servicer.close()
+        await builder.close()
         log.info("stopped")

@@ -11,8 +11,8 @@ import sqlite3
 import threading
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ _MIGRATION_LOCK = 0x1F5CA1E  # the advisory lock replicas hold while they create
 class Transaction:
     """Statements inside one database transaction."""
 
-    def __init__(self, cursor: Any, adapt) -> None:
+    def __init__(self, cursor: Any, adapt: Callable[[str], str]) -> None:
         self._cursor = cursor
         self._adapt = adapt
 
@@ -44,23 +44,26 @@ class Database(ABC):
     shared: bool = False
     # Appended to a SELECT whose rows the transaction is about to claim, so that concurrent transactions skip them.
     claim_clause: str = ""
+    # User locks (`user_lock`) that may be held at once.
+    lock_slots: int = 1
 
     def __init__(self) -> None:
         self.round_trips = 0  # statements sent (for the per-call cost figures)
 
     @abstractmethod
-    def transaction(self) -> Iterator[Transaction]: ...
+    def transaction(self) -> AbstractContextManager[Transaction]:
+        """One transaction: committed when the block ends, rolled back when it raises."""
 
     def query(self, sql: str, params: Sequence = ()) -> list[tuple]:
         with self.transaction() as tx:
             return tx.rows(sql, params)
 
     @abstractmethod
-    def user_lock(self, name: str) -> Iterator[None]:
+    def user_lock(self, name: str) -> AbstractContextManager[None]:
         """Held while one user's facts are written: no other process writes that user meanwhile."""
 
     @abstractmethod
-    def migration(self) -> Iterator[Transaction]:
+    def migration(self) -> AbstractContextManager[Transaction]:
         """A transaction that no other process's migration runs beside (replicas starting together)."""
 
     @abstractmethod
@@ -99,7 +102,7 @@ class SqliteDatabase(Database):
     def user_lock(self, name: str) -> Iterator[None]:
         yield  # one process: the service's own per-user locks serialize its writes
 
-    def migration(self) -> Iterator[Transaction]:
+    def migration(self) -> AbstractContextManager[Transaction]:
         return self.transaction()  # BEGIN IMMEDIATE: one writer at a time
 
     def schema_version(self, tx: Transaction) -> int:

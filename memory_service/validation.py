@@ -1,6 +1,6 @@
 """Request validation: turns wire messages into domain records or raises InvalidArgument/LimitExceeded.
 
-Everything is checked before anything is written, so a rejected call changes nothing.
+A handler checks every field of its request here before it calls the domain, so a rejected call changes nothing.
 """
 
 from __future__ import annotations
@@ -8,20 +8,25 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
+from inferscale_kv.kv_key import header_key
+from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike, kv_profile_id, profile_fields
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
-from memory_service.models import NewFact, NewTurn
+from memory_service.models import AnnouncedProfile, FactKvRef, KvUpload, NewFact, NewTurn, Query
 
 MAX_ID_CHARS = 128
 # Ids appear in storage filters; this alphabet (no quotes, spaces or separators) keeps them inert there.
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/=-]*")
 _ID_RULE = f"1-{MAX_ID_CHARS} characters of letters, digits and ._:@+/=- starting with a letter or digit"
+_CONTENT_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class TimestampLike(Protocol):
@@ -68,7 +73,7 @@ def validate_text(value: str, field: str, max_chars: int) -> str:
     return value
 
 
-def validate_query_vector(vector, model_id: str, service_model_id: str, dim: int) -> np.ndarray:
+def validate_query_vector(vector: Sequence[float], model_id: str, service_model_id: str, dim: int) -> np.ndarray:
     """A caller's query embedding as a unit float32 vector, if it comes from the service's model."""
     if model_id != service_model_id:
         raise InvalidArgument("embedding_model_id", f"{model_id!r} is not this service's embedding model "
@@ -80,6 +85,14 @@ def validate_query_vector(vector, model_id: str, service_model_id: str, dim: int
     if not np.isfinite(norm) or norm == 0.0:
         raise InvalidArgument("query_vector", "must be finite and not all zero")
     return (values / norm).astype(np.float32)
+
+
+def validate_query(text: str, vector: Sequence[float], model_id: str, limits: Limits, service_model_id: str,
+                   dim: int) -> Query:
+    """A search's query: the caller's vector when it sends one (of the service's model), else its text."""
+    if vector:
+        return Query(vector=validate_query_vector(vector, model_id, service_model_id, dim))
+    return Query(text=validate_text(text, "query", limits.max_query_chars))
 
 
 def derived_fact_id(text: str) -> str:
@@ -182,6 +195,15 @@ def validate_fact_ids(fact_ids: Sequence[str], limits: Limits) -> list[str]:
     return list(dict.fromkeys(validate_id(fact_id, f"fact_ids[{i}]") for i, fact_id in enumerate(fact_ids)))
 
 
+def validate_kv_refs(refs: Sequence[Any], limits: Limits) -> list[FactKvRef]:
+    """A FetchKv's fact references (none: the header alone): at most a request's facts (--max-top-k), each with a
+    valid fact id."""
+    if len(refs) > limits.max_top_k:
+        raise LimitExceeded("facts", f"{len(refs)} entries exceeds the limit of {limits.max_top_k} per call")
+    return [FactKvRef(validate_id(ref.fact_id, f"facts[{index}].fact_id"), ref.version, ref.content_id)
+            for index, ref in enumerate(refs)]
+
+
 def encode_page_token(last_fact_id: str) -> str:
     return base64.urlsafe_b64encode(last_fact_id.encode()).decode()
 
@@ -195,3 +217,83 @@ def decode_page_token(token: str) -> str:
         return validate_id(last_fact_id, "page_token")
     except (binascii.Error, UnicodeDecodeError, ValueError, InvalidArgument):
         raise InvalidArgument("page_token", "is not a token returned by ListFacts") from None
+
+
+Number = TypeVar("Number", int, float)
+
+
+def validate_non_negative(value: Number, field: str) -> Number:
+    if value < 0:
+        raise InvalidArgument(field, "must not be negative")
+    return value
+
+
+def validate_rate(value: float, field: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(field, "must be a finite, non-negative rate")
+    return value
+
+
+# ------------------------------------------------------------------ KV profiles and blobs
+
+
+def validate_profile(profile: KvProfileLike, field: str = "profile") -> str:
+    """Checks a profile's fields and its id; returns the id."""
+    for name in ("model", "model_hash", "tokenizer_hash", "header_hash", "recipe"):
+        if not getattr(profile, name):
+            raise InvalidArgument(f"{field}.{name}", "must not be empty")
+    if profile.kv_dtype not in KV_DTYPES:
+        raise InvalidArgument(f"{field}.kv_dtype", f"{profile.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if profile.recipe_version < 1:
+        raise InvalidArgument(f"{field}.recipe_version", "must be at least 1")
+    if profile.context_window < ALL_PRECEDING_TURNS:
+        raise InvalidArgument(f"{field}.context_window", "must be >= 0, or -1 for all preceding turns")
+    if profile.max_context_tokens < 0:
+        raise InvalidArgument(f"{field}.max_context_tokens", "must be >= 0 (0: no cap)")
+    expected = kv_profile_id(profile)
+    if profile.profile_id != expected:
+        raise InvalidArgument(f"{field}.profile_id", f"does not match the profile's fields (expected {expected})")
+    return expected
+
+
+def validate_announced_profile(profile: KvProfileLike, field: str = "profile") -> AnnouncedProfile:
+    return AnnouncedProfile(validate_profile(profile, field), profile_fields(profile))
+
+
+def _kv_blob_header(blob: bytes, field: str) -> KvBlobHeader:
+    try:
+        header = read_kv_header(blob)
+    except CorruptKvBlob as exc:
+        raise InvalidArgument(field, str(exc)) from None
+    if not _CONTENT_ID.fullmatch(header.content_id):
+        raise InvalidArgument(field, "content_id must be 32 lowercase hex digits (inferscale_kv.kv_key.content_id)")
+    return header
+
+
+def validate_header_kv(blob: bytes, profile_id: str, field: str = "header_kv") -> KvUpload:
+    """A profile's memory header KV: it must name the profile's header, encoded behind nothing."""
+    header = _kv_blob_header(blob, field)
+    expected = header_key(profile_id, header.token_ids)
+    if header.key != expected:
+        raise InvalidArgument(field, f"must name {expected} (the profile's header, encoded behind nothing)")
+    return KvUpload(expected, header.token_ids, blob)
+
+
+class FactKvUploadLike(Protocol):
+    user_id: str
+    fact_id: str
+    version: int
+    blob: bytes
+
+
+def validate_fact_kv(uploads: Sequence[FactKvUploadLike], profile_id: str,
+                     field: str = "results") -> list[KvUpload]:
+    """A worker's fact KV: each blob must name the profile, fact and version it is uploaded for."""
+    validated: list[KvUpload] = []
+    for index, upload in enumerate(uploads):
+        header = _kv_blob_header(upload.blob, f"{field}[{index}].blob")
+        if (header.profile_id, header.user_id, header.fact_id, header.version) != (
+                profile_id, upload.user_id, upload.fact_id, upload.version) or header.key.is_header:
+            raise InvalidArgument(f"{field}[{index}].blob", "header names another profile, fact or version")
+        validated.append(KvUpload(header.key, header.token_ids, upload.blob))
+    return validated

@@ -12,14 +12,17 @@ from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.dummy_model import build_dummy_model
 from benchmarks.serve import (
+    Sample,
     arrival_offsets,
     cold_node_cache_mb,
     connector_phases,
     engine_ttft_ms,
     hit_rate,
     locomo_workload,
+    memory_lost,
     parse_counters,
     report,
+    summarize,
     synthetic_workload,
 )
 from benchmarks.synthetic_worker import SyntheticFactEncoder
@@ -168,3 +171,41 @@ def test_the_cold_node_cache_holds_one_and_a_half_times_the_warm_users_kv(tiny_l
     workload = synthetic_workload(4, 10, clauses=1)
     one = cold_node_cache_mb(tiny_llama_dir, "float32", workload, 1)
     assert one >= 1 and cold_node_cache_mb(tiny_llama_dir, "float32", workload, 4) >= 3 * one
+
+
+KV = {"mode": "kv", "recompute_tail_facts": 0, "kv_crossover_tokens": 0}
+
+
+@pytest.mark.parametrize(("summary", "memory", "why"), [
+    ({"mode": "kv", "facts": 20, "kv_facts": 20, "injectable_tokens": 700}, KV, None),
+    ({"mode": "kv", "memory": "dropped", "reason": "deadline", "error": "memory service: DEADLINE_EXCEEDED",
+      "facts": 0}, KV, "memory service: DEADLINE_EXCEEDED"),
+    ({"mode": "text", "facts": 12}, {"mode": "text"}, "12 of 20 facts"),
+    ({"mode": "kv", "facts": 20, "kv_facts": 0, "header_kv": "missing"}, KV, "no header KV: nothing injected"),
+    ({"mode": "kv", "facts": 20, "kv_facts": 15}, KV, "15 of 20 facts injected"),
+    ({"mode": "kv", "facts": 20, "kv_facts": 18}, {**KV, "recompute_tail_facts": 2}, None),
+    ({"mode": "kv", "facts": 20, "kv_facts": 0, "served_as": "text"}, {"mode": "kv"}, None),  # kv-auto, crossover
+    ({"mode": "off"}, {"mode": "off"}, None),
+])
+def test_a_request_without_the_memory_its_contender_asked_for_is_named(summary, memory, why) -> None:
+    assert memory_lost(summary, memory, expected_facts=20) == why
+
+
+def test_requests_that_lost_their_memory_are_counted_apart_and_never_in_the_figures() -> None:
+    def sample(seconds: float, lost: str | None) -> Sample:
+        return Sample("kv", 20, seconds, seconds, 0.01, seconds + 0.1, 700 if lost is None else 40, 0, lost)
+
+    row = summarize([sample(0.05, None), sample(0.07, None), sample(2.0, "memory service: DEADLINE_EXCEEDED")], 1.0)
+    assert (row["requests"], row["lost_memory"]) == (2, 1)
+    assert row["lost_memory_examples"] == ["memory service: DEADLINE_EXCEEDED"]
+    assert row["query_to_first_token_ms"]["p99"] < 100 and row["mean_prompt_tokens"] == 700
+    assert math.isnan(row["throughput_rps"])  # it covers every request: withheld
+
+
+def test_no_ratio_is_drawn_from_a_row_whose_requests_lost_their_memory(capsys) -> None:
+    lost = {**_row(0.5, 1.0), "lost_memory": 3, "lost_memory_examples": ["memory service: DEADLINE_EXCEEDED"]}
+    report({"kv": {"50": lost}, "text": {"50": _row(4)}, "off": {"50": _row(0.5)}}, "test")
+    out = capsys.readouterr().out
+    assert "kv/text: n/a (requests lost their memory: not a result)" in out
+    assert "kv/text: query-to-first-token" not in out and "kv - off:" not in out
+    assert "Requests that lost their memory" in out

@@ -82,11 +82,11 @@ def _device_run(tmp_path: Path, stage: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_device_run_names_its_stages_and_a_measuring_stage_without_its_servers_exits_3(tmp_path: Path) -> None:
+def test_device_run_names_its_stages_and_a_measuring_stage_without_its_servers_exits_4(tmp_path: Path) -> None:
     unknown = _device_run(tmp_path, "everything")
     assert unknown.returncode == 2 and "prepare-latency|latency|long" in unknown.stderr
     orphan = _device_run(tmp_path, "throughput")
-    assert orphan.returncode == 3, orphan.stdout[-2000:] + orphan.stderr[-2000:]
+    assert orphan.returncode == 4, orphan.stdout[-2000:] + orphan.stderr[-2000:]
     assert "run the prepare-throughput stage again" in orphan.stderr
     assert "no prepared servers" in (tmp_path / "out" / "serve-throughput.txt").read_text()
     assert _device_run(tmp_path, "stop").returncode == 0

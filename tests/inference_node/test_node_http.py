@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
@@ -297,6 +298,11 @@ def test_memory_service_down_answers_without_memory_and_the_engine_lives(node, n
     node_memory_service.stop()
     degraded = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
     assert degraded.summary["error"].startswith("memory service")
+    # The one case a memory request is served without its memory: said in the header, and counted by reason.
+    assert (degraded.summary["memory"], degraded.summary["reason"]) == ("dropped", "unavailable")
+    with urllib.request.urlopen(f"{node.base_url}/metrics", timeout=60) as response:
+        metrics = response.read().decode()
+    assert re.search(r'^inferscale_node_memory_dropped_total\{reason="unavailable"\} [1-9]', metrics, re.M), metrics
     plain = complete(node, QUESTION, None)
     _assert_same_generation(degraded, plain)
 

@@ -12,13 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import WORKER_TOKEN_ENV
 from memory_service.access import AccessControl, token_digest
 from memory_service.config import ConfigError
 from memory_service.errors import PermissionDenied, Unauthenticated
-from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 
 TOKENS = {"acme-app": "acme-secret", "globex-app": "globex-secret", "nodes": "node-secret",

@@ -5,8 +5,8 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from inferscale.v1 import memory_pb2 as pb
-from memory_service.config import Limits
 from inferscale_kv.profile import kv_profile_id
+from memory_service.config import Limits
 
 OWNER = "bi-owner"
 LIMITS = Limits()
@@ -44,7 +44,8 @@ CASES = [
      pb.IngestFactsRequest(user_id=OWNER, facts=_valid_then(pb.FactInput(text="x" * (LIMITS.max_fact_chars + 1)))),
      EXHAUSTED, "facts[1].text"),
     ("IngestFacts",
-     pb.IngestFactsRequest(user_id=OWNER, facts=[pb.FactInput(text=f"f{i}") for i in range(LIMITS.max_facts_per_call + 1)]),
+     pb.IngestFactsRequest(user_id=OWNER,
+                           facts=[pb.FactInput(text=f"f{i}") for i in range(LIMITS.max_facts_per_call + 1)]),
      EXHAUSTED, "facts"),
     ("IngestFacts", pb.IngestFactsRequest(user_id=OWNER, facts=_valid_then(pb.FactInput(fact_id="a b", text="x"))),
      INVALID, "facts[1].fact_id"),

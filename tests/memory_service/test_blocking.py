@@ -15,6 +15,7 @@ from memory_service.config import ServiceConfig
 
 
 async def test_an_ingest_completes_while_every_read_thread_is_busy(tmp_path) -> None:
+    import memory_service.builder as builder_module
     import memory_service.server as server_module
 
     config = ServiceConfig(data_dir=tmp_path / "data", host="127.0.0.1", port=free_port(), metrics_port=0)
@@ -32,7 +33,7 @@ async def test_an_ingest_completes_while_every_read_thread_is_busy(tmp_path) -> 
                     break
                 await asyncio.sleep(0.1)
             loop = asyncio.get_running_loop()
-            held = [loop.run_in_executor(None, gate.wait) for _ in range(server_module.READ_THREADS)]
+            held = [loop.run_in_executor(None, gate.wait) for _ in range(builder_module.READ_THREADS)]
             response = await stub.IngestFacts(pb.IngestFactsRequest(user_id="u", facts=[
                 pb.FactInput(fact_id="f1", text="Ines restores vintage typewriters.")]), timeout=20)
             assert [fact.fact_id for fact in response.facts] == ["f1"]

@@ -7,15 +7,14 @@ import asyncio
 import os
 import sys
 import threading
-
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from harness.memory_service import shared_embedding_cache_dir
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
 from memory_service.embedder import INGEST_NICE, Embedder
-from harness.memory_service import shared_embedding_cache_dir
 
 QUERIES = [f"what did I say about topic {i}?" for i in range(24)] + ["", "日本語の質問 🙂"]
 

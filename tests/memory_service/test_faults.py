@@ -11,10 +11,10 @@ import time
 
 import grpc
 
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.profile import kv_profile_id
-from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 
 USER = "fault-user"

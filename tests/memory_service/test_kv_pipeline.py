@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.kv_key import content_id
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
+from inferscale_kv.kv_key import content_id
 from inferscale_kv.profile import kv_profile_id
-from harness.memory_service import MemoryServiceProcess
 
 
 def _profile(model: str) -> pb.KvProfile:
@@ -110,7 +110,8 @@ def test_completed_kv_is_ready_with_token_ids_and_fetchable(stub) -> None:
     assert retrieved.staging.handle_id.startswith("stg-") and retrieved.staging.expires_at.seconds > 0
     f1 = next(f for f in retrieved.facts if f.fact_id == "f1")
     fetched = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
-                                                  facts=[pb.FactRef(fact_id="f1", version=1, content_id=f1.content_id)])))
+                                                  facts=[pb.FactRef(fact_id="f1", version=1,
+                                                                    content_id=f1.content_id)])))
     assert decode_kv_blob(fetched[0].blob).header.fact_id == "f1"
     unnamed = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
                                                   facts=[pb.FactRef(fact_id="f1", version=1)])))
@@ -168,7 +169,9 @@ def test_deleting_facts_and_users_removes_their_kv_from_every_tier(stub) -> None
         return [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cascade",
                                                                facts=refs))]
 
+    assert all(kv_blobs(["f0", "f1", "f2"]))  # fetched: the host cache holds them too
     tiers_before = {t.name: t.entries for t in stub.GetStats(pb.GetStatsRequest()).tiers}
+    assert set(tiers_before) == {"host", "disk"}
     stub.DeleteFacts(pb.DeleteFactsRequest(user_id="kvp-cascade", fact_ids=["f0"]))
     assert [bool(b) for b in kv_blobs(["f0", "f1", "f2"])] == [False, True, True]
     stub.DeleteUser(pb.DeleteUserRequest(user_id="kvp-cascade"))
@@ -325,3 +328,11 @@ def test_a_workers_report_reaches_get_stats_and_the_metrics(stub, memory_service
             stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="w", profile_id=profile.profile_id,
                                                    facts_per_second=bad))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "facts_per_second" in error.value.details()
+
+
+def test_a_fetch_of_more_facts_than_a_request_may_retrieve_is_refused(stub) -> None:
+    profile = _announce(stub, "model-fetch-cap")
+    refs = [pb.FactRef(fact_id=f"f{index}", version=1, content_id="0" * 32) for index in range(1001)]
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cap", facts=refs)))
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "facts" in raised.value.details()

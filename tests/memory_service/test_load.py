@@ -11,6 +11,10 @@ each pause an exponential think time between calls, so together they offer a fix
 nodes sending requests as users arrive); its latency is the service time at that load. Throughput and latency are
 reported, never asserted; errors, isolation and memory growth are.
 
+The callers announce a profile whose KV a stand-in worker computed for every populated fact (tiny made-up
+blobs), so every answer is checked for its memory too: the top-k count of facts, each populated fact's KV ready
+and the profile's header with them; an answer without it counts as lost memory (asserted: none).
+
 The replica mode runs the same load against three replicas on a real PostgreSQL and a real S3-compatible store
 (SeaweedFS), reached through one address as nodes reach them (round robin); memory is the replicas' sum."""
 
@@ -27,17 +31,22 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.call_credentials import REPLICA_OPTIONS
-from inferscale_kv.profile import kv_profile_id
-from memory_service.config import ServiceConfig
 from harness.memory_service import MemoryServiceProcess
 from harness.servers import Replicas, compactions, memory_service_replicas, wait_for_compactions
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.call_credentials import REPLICA_OPTIONS
+from inferscale_kv.kv_key import content_id, header_key
+from inferscale_kv.profile import kv_profile_id
+from memory_service.config import ServiceConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
+FACT_INDEX = re.compile(r"> fact (\d+):")
+TOP_K = 20
 # The full run's paced rates: a sweep up to where p99 nears 50 ms on a 2-core machine with this ingest
 # (the full run measured p99 27, 28, 41 and 48 ms; shorter exploratory runs 36-66 ms at 80-120 req/s).
 FULL_PACED_RPS = (20, 40, 80, 120)
@@ -65,6 +74,7 @@ class PhaseReport:
     calls: int = 0
     errors: list[str] = field(default_factory=list)
     isolation_violations: list[str] = field(default_factory=list)
+    memory_lost: list[str] = field(default_factory=list)  # answers without the facts' KV the profile holds
     latencies_ms: list[float] = field(default_factory=list)
     facts_ingested: int = 0
     wall_s: float = 0.0
@@ -78,6 +88,7 @@ class PhaseReport:
                 "p99_ms": quantile(0.99), "max_ms": quantile(1.0),
                 "mean_ms": round(statistics.fmean(latencies), 2) if latencies else None,
                 "errors": len(self.errors), "isolation_violations": len(self.isolation_violations),
+                "memory_lost": len(self.memory_lost),
                 "facts_ingested": self.facts_ingested}
 
 
@@ -105,7 +116,8 @@ def _user(index: int) -> str:
 
 
 def _fact_text(user_index: int, fact_index: int, rng: random.Random) -> str:
-    return f"<u{user_index:05d}> fact {fact_index}: enjoys {rng.choice(TOPICS)} on {rng.choice(['weekends', 'evenings'])}"
+    topic = rng.choice(TOPICS)
+    return f"<u{user_index:05d}> fact {fact_index}: enjoys {topic} on {rng.choice(['weekends', 'evenings'])}"
 
 
 def _profile() -> pb.KvProfile:
@@ -136,6 +148,60 @@ async def _populate(stub, shape: LoadShape) -> None:
     await asyncio.gather(*(one_user(index) for index in range(shape.users)))
 
 
+def _tiny_blob(profile_id: str, user_id: str, fact_id: str, version: int, owner_salt: int) -> bytes:
+    """Made-up KV of 3 tokens (the service checks blobs, not what they mean)."""
+    token_ids = (11, 12, 13)
+    header = KvBlobHeader(profile_id, user_id, fact_id, version, "bfloat16", 1, 3, 1, 8, token_ids,
+                          content_id(profile_id, [owner_salt], token_ids))
+    keys = torch.full((1, 3, 1, 8), float(owner_salt % 7))
+    return encode_kv_blob(header, keys, keys + 1)
+
+
+async def _compute_kv(stub) -> int:
+    """Plays the profile's precompute workers until no work is left: the header and every stored fact get KV.
+    Returns the facts completed."""
+    profile = _profile()
+    header_ids = (1, 2, 3)
+    header = header_key(profile.profile_id, header_ids)
+    header_blob = encode_kv_blob(
+        KvBlobHeader(profile.profile_id, header.user_id, header.fact_id, header.version, "bfloat16", 1, 3, 1, 8,
+                     header_ids, header.content_id), torch.zeros(1, 3, 1, 8), torch.ones(1, 3, 1, 8))
+    await stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                         announcer_id="load-worker", header_kv=header_blob),
+                               timeout=600)
+    done = 0
+
+    async def worker(index: int) -> None:
+        nonlocal done
+        while True:
+            lease = await stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=f"load-worker-{index}",
+                                                                 profile_id=profile.profile_id), timeout=600)
+            if not lease.items:
+                return
+            uploads = [pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                                       blob=_tiny_blob(profile.profile_id, item.user_id, item.fact_id, item.version,
+                                                       hash((item.user_id, item.fact_id))))
+                       for item in lease.items]
+            response = await stub.CompleteKvWork(pb.CompleteKvWorkRequest(
+                lease_id=lease.lease_id, worker_id=f"load-worker-{index}", profile_id=profile.profile_id,
+                results=uploads), timeout=600)
+            done += response.accepted
+
+    await asyncio.gather(*(worker(index) for index in range(4)))
+    return done
+
+
+def _memory_kept(response: pb.RetrieveAndStageResponse, shape: LoadShape) -> str | None:
+    """Why an answer lacks the memory the profile holds for it (None: it has it)."""
+    if len(response.facts) != TOP_K:
+        return f"{len(response.facts)} facts for top_k {TOP_K}"
+    if not response.header_content_id:
+        return "no header KV"
+    populated = [fact for fact in response.facts if int(FACT_INDEX.search(fact.text).group(1)) < shape.facts_per_user]
+    lacking = [fact.fact_id for fact in populated if not fact.kv_ready]
+    return f"{len(lacking)} populated facts without KV ready" if lacking else None
+
+
 async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) -> None:
     profile = _profile()
     deadline = time.monotonic() + phase.duration_s
@@ -153,7 +219,7 @@ async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) 
             try:
                 response = await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
                     user_id=_user(user_index), query=f"what does the user enjoy, {rng.choice(TOPICS)}?",
-                    top_k=20, profile=profile, node_id=f"node-{seed % 4}"), timeout=30)
+                    top_k=TOP_K, profile=profile, node_id=f"node-{seed % 4}"), timeout=30)
             except grpc.aio.AioRpcError as error:
                 report.errors.append(f"RetrieveAndStage {error.code().name}: {error.details()}")
                 continue
@@ -162,6 +228,9 @@ async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) 
             for fact in response.facts:
                 if set(MARKER.findall(fact.text)) != {f"{user_index:05d}"}:
                     report.isolation_violations.append(f"{_user(user_index)} got {fact.text!r}")
+            lost = _memory_kept(response, shape)
+            if lost:
+                report.memory_lost.append(f"{_user(user_index)}: {lost}")
 
     async def ingester() -> None:
         rng = random.Random(-1 - shape.phases.index(phase))
@@ -199,7 +268,7 @@ async def _warm_up(services: list[MemoryServiceProcess], shape: LoadShape) -> fl
                 while pending:
                     index = pending.pop()
                     await stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-                        user_id=_user(index), query="warm-up", top_k=20, profile=profile, node_id="warm-up"),
+                        user_id=_user(index), query="warm-up", top_k=TOP_K, profile=profile, node_id="warm-up"),
                         timeout=120)
 
             await asyncio.gather(*(caller() for _ in range(max(1, shape.callers // len(services)))))
@@ -219,6 +288,7 @@ async def _run(services: list[MemoryServiceProcess], shape: LoadShape, optimize_
             # Every replica has compacted its share of the import once, as an operator's bulk import ends: reads
             # of users not yet cached then find their rows through the user index.
             await asyncio.to_thread(wait_for_compactions, services, compacted)
+        assert await _compute_kv(stub) == shape.users * shape.facts_per_user
         report.rss_mib_after_populate = round(sum(_rss_mib(service.process.pid) for service in services), 1)
         report.warmup_s = await _warm_up(services, shape)
         running = True
@@ -244,7 +314,8 @@ def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: floa
     # One replica runs on the defaults. Replicas each take a third of the import, below the default compaction
     # trigger, so each compacts after every half of its share: at most half of it is left unindexed when the
     # warm-up starts (the wait below sees each replica's first compaction).
-    optimize_after_writes = ServiceConfig.optimize_after_writes if replicas == 1 else max(1, shape.users // replicas // 2)
+    optimize_after_writes = (ServiceConfig.optimize_after_writes if replicas == 1
+                             else max(1, shape.users // replicas // 2))
     flags = [] if replicas == 1 else ["--optimize-after-writes", str(optimize_after_writes)]
     with memory_service_replicas(tmp_path, replicas, "--embedding-threads", threads, *flags, shared=replicas > 1,
                                  bucket="load") as deployed:
@@ -258,6 +329,7 @@ def _load_test(tmp_path: Path, shape: LoadShape, name: str, max_rss_growth: floa
         assert phase.calls > 0, name
         assert phase.errors == [], (name, phase.errors[:5])
         assert phase.isolation_violations == [], (name, phase.isolation_violations[:5])
+        assert phase.memory_lost == [], (name, phase.memory_lost[:5])
     after_warmup, end = summary["rss_mib_after_warmup"], summary["rss_mib_end"]
     assert end <= after_warmup * (1 + max_rss_growth), f"resident memory grew {after_warmup} -> {end} MiB"
     return summary

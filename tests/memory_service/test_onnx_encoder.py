@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
-from inferscale_kv.embedding_model import resolve_model_path
+from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL, resolve_model_path
 from memory_service.embedder import TorchSentenceEncoder
 from memory_service.onnx_encoder import OnnxSentenceEncoder, UnsupportedEncoder, export_key, read_pipeline
 

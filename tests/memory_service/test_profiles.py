@@ -2,9 +2,9 @@ import dataclasses
 
 import pytest
 
-from memory_service.errors import InvalidArgument
 from inferscale_kv.profile import kv_profile_id
-from memory_service.profiles import validate_profile
+from memory_service.errors import InvalidArgument
+from memory_service.validation import validate_profile
 
 
 @dataclasses.dataclass

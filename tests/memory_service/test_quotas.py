@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from harness.memory_service import MemoryServiceProcess
 
 
 @pytest.fixture(scope="module")

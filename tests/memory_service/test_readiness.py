@@ -8,33 +8,33 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from memory_service.config import ServiceConfig
-from memory_service.servicer import MemoryServicer
 from inferscale_kv.runtime import free_port
+from memory_service.builder import Service, ServiceBuilder
+from memory_service.config import ServiceConfig
 
 
-class SlowLoadingServicer(MemoryServicer):
-    """The real servicer whose load waits for the test's signal (a fake only of timing)."""
+class SlowBuilder(ServiceBuilder):
+    """The real builder whose build waits for the test's signal (a fake only of timing)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.release = asyncio.Event()
 
-    async def load(self) -> None:
+    async def build(self) -> Service:
         await self.release.wait()
-        await super().load()
+        return await super().build()
 
 
 async def test_calls_are_unavailable_and_health_not_serving_until_loaded(tmp_path, monkeypatch) -> None:
     import memory_service.server as server_module
 
-    servicers: list[SlowLoadingServicer] = []
+    builders: list[SlowBuilder] = []
 
-    def make_servicer(*args, **kwargs):
-        servicers.append(SlowLoadingServicer(*args, **kwargs))
-        return servicers[-1]
+    def make_builder(*args, **kwargs):
+        builders.append(SlowBuilder(*args, **kwargs))
+        return builders[-1]
 
-    monkeypatch.setattr(server_module, "MemoryServicer", make_servicer)
+    monkeypatch.setattr(server_module, "ServiceBuilder", make_builder)
     config = ServiceConfig(data_dir=tmp_path / "data", host="127.0.0.1", port=free_port(), metrics_port=0)
     stop = asyncio.Event()
     serving = asyncio.create_task(server_module.serve(config, stop))
@@ -49,7 +49,7 @@ async def test_calls_are_unavailable_and_health_not_serving_until_loaded(tmp_pat
                 await stub.GetStats(pb.GetStatsRequest())
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
 
-            servicers[0].release.set()
+            builders[0].release.set()
             for _ in range(600):
                 status = (await health.Check(health_pb2.HealthCheckRequest())).status
                 if status == health_pb2.HealthCheckResponse.SERVING:

@@ -15,14 +15,14 @@ import urllib.request
 import grpc
 import pytest
 
+from harness.memory_service import MemoryServiceProcess
+from harness.servers import memory_service_replicas
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import WORKER, memory_service_channel
 from inferscale_kv.layout import fact_token_ids
-from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
-from harness.servers import memory_service_replicas
 
 BUCKET = "inferscale-replicas"
 SWEEP_S = 1.0

@@ -2,10 +2,10 @@
 
 import signal
 
-from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from harness.memory_service import MemoryServiceProcess
 from harness.servers import wait_for_compactions
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
 
 
 def _ingest_and_stop(service: MemoryServiceProcess, sig: int) -> None:
@@ -15,7 +15,8 @@ def _ingest_and_stop(service: MemoryServiceProcess, sig: int) -> None:
             stub.IngestFacts(pb.IngestFactsRequest(user_id="restart-user", facts=[
                 pb.FactInput(fact_id=f"b{batch}-{i}", text=f"Acknowledged fact {batch}/{i}") for i in range(10)
             ]))
-        stub.IngestTurns(pb.IngestTurnsRequest(user_id="restart-user", turns=[pb.Turn(turn_id="D1:1", seq=1, text="hi")]))
+        stub.IngestTurns(pb.IngestTurnsRequest(user_id="restart-user",
+                                               turns=[pb.Turn(turn_id="D1:1", seq=1, text="hi")]))
     service.stop(sig)
 
 

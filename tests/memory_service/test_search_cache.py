@@ -7,7 +7,8 @@ import gc
 import numpy as np
 
 from memory_service.models import StoredFact
-from memory_service.search_cache import UserFacts, UserFactsCache
+from memory_service.user_facts import UserFacts
+from memory_service.user_writes import UserFactsCache
 
 
 def _facts(user: str, vectors: list[list[float]], metadata_json: str = "{}") -> UserFacts:

@@ -1,6 +1,7 @@
 """Round trips through a real memory service process (real LanceDB, real embedding model)."""
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -69,7 +70,8 @@ def test_retried_ingest_creates_no_duplicates(stub) -> None:
 
 
 def test_changed_content_bumps_the_version_and_keeps_created_at(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-version", facts=[pb.FactInput(fact_id="city", text="Lives in Oslo")]))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-version",
+                                           facts=[pb.FactInput(fact_id="city", text="Lives in Oslo")]))
     (before,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-version")).facts
     response = stub.IngestFacts(
         pb.IngestFactsRequest(user_id="rt-version", facts=[pb.FactInput(fact_id="city", text="Lives in Bergen")])
@@ -172,10 +174,8 @@ def test_request_id_is_echoed_in_trailing_metadata(stub) -> None:
 
 
 def test_metrics_endpoint_counts_calls_by_method_and_code(stub, memory_service) -> None:
-    try:
+    with contextlib.suppress(grpc.RpcError):
         stub.SearchFacts(pb.SearchFactsRequest(user_id="", query="x"))
-    except grpc.RpcError:
-        pass
     body = urllib.request.urlopen(f"http://127.0.0.1:{memory_service.metrics_port}/metrics").read().decode()
     assert 'inferscale_rpc_requests_total{code="INVALID_ARGUMENT",method="SearchFacts"}' in body
     assert "inferscale_facts_stored" in body

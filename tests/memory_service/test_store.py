@@ -12,12 +12,13 @@ import pyarrow as pa
 import pytest
 from lancedb.index import BTree
 
-from memory_service.coordination import CoordinationStore
+from memory_service.coordination import Coordination
+from memory_service.fact_store import FactStore, facts_schema
 from memory_service.models import IngestOutcome, NewFact
 from memory_service.object_store import S3Settings, StoreLocation
-from memory_service.search_cache import FACT_ROW_COLUMNS
 from memory_service.sql import SqliteDatabase
-from memory_service.store import FactStore, facts_schema
+from memory_service.user_facts import FACT_ROW_COLUMNS
+from memory_service.user_writes import UserWrites
 
 DIM = 4
 
@@ -30,9 +31,11 @@ async def _axis_embed(texts: list[str]) -> np.ndarray:
     return vectors
 
 
-def _local_store(data_dir) -> FactStore:
-    coordination = CoordinationStore(SqliteDatabase(data_dir / "kv" / "index.sqlite"))
-    return FactStore(StoreLocation.parse("", data_dir, S3Settings()), coordination, "test-embedder", DIM)
+def _local_store(data_dir, lancedb_cache_bytes: int = 128 << 20) -> FactStore:
+    coordination = Coordination.open(SqliteDatabase(data_dir / "kv" / "index.sqlite"))
+    user_writes = UserWrites(coordination.user_records, shared=False, search_cache_bytes=256 << 20)
+    return FactStore(StoreLocation.parse("", data_dir, S3Settings()), user_writes, coordination.store_meta,
+                     "test-embedder", DIM, lancedb_cache_bytes=lancedb_cache_bytes)
 
 
 def _query(axis: int) -> np.ndarray:
@@ -43,7 +46,7 @@ async def _store_with_facts(tmp_path) -> tuple[FactStore, list[int]]:
     store = _local_store(tmp_path)
     await store.open()
     await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact") for i in range(3)], _axis_embed)
-    store._search_cache.invalidate("u")  # cold, as after a restart
+    store._user_writes.search_cache.invalidate("u")  # cold, as after a restart
     reads: list[int] = []
     real_read = store._user_facts
 
@@ -108,7 +111,7 @@ async def _cached_store(tmp_path) -> FactStore:
     await store.open()
     await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i} fact") for i in range(2)], _axis_embed)
     await store.search("u", _query(0), 1)
-    assert store._search_cache.get("u") is not None
+    assert store._user_writes.search_cache.get("u") is not None
     return store
 
 
@@ -119,7 +122,7 @@ async def test_ingest_for_a_cached_user_tells_created_updated_and_unchanged_apar
     assert [(r.fact_id, r.version, r.outcome) for r in results] == [
         ("f0", 1, IngestOutcome.UNCHANGED), ("f1", 2, IngestOutcome.UPDATED), ("f2", 1, IngestOutcome.CREATED)]
     assert await store._facts_table.count_rows() == 3
-    store._search_cache.invalidate("u")  # LanceDB, read afresh, agrees with what the cache answered
+    store._user_writes.search_cache.invalidate("u")  # LanceDB, read afresh, agrees with what the cache answered
     assert {f.fact_id: (f.version, f.text) for f in [r.fact for r in await store.search("u", _query(1), 3)]} == {
         "f0": (1, "axis-0 fact"), "f1": (2, "axis-1 changed"), "f2": (1, "axis-2 new")}
 
@@ -136,7 +139,7 @@ async def test_a_write_that_fails_after_committing_drops_the_cache_so_its_retry_
     with pytest.raises(OSError):
         await store.ingest_facts("u", [NewFact("f2", "axis-2 new")], _axis_embed)
     store._commit = real_commit
-    assert store._search_cache.get("u") is None
+    assert store._user_writes.search_cache.get("u") is None
     retried = await store.ingest_facts("u", [NewFact("f2", "axis-2 new")], _axis_embed)
     assert [(r.version, r.outcome) for r in retried] == [(1, IngestOutcome.UNCHANGED)]
     assert await store._facts_table.count_rows() == 3
@@ -182,9 +185,7 @@ async def test_a_compaction_preempted_by_another_writers_delete_is_left_for_late
 async def test_lancedbs_caches_stay_within_their_budget_as_writes_add_table_versions(tmp_path) -> None:
     """Every write is a table version; LanceDB's default caches kept each one's manifest (the full load test grew
     ~150 MiB a minute under steady ingest)."""
-    coordination = CoordinationStore(SqliteDatabase(tmp_path / "kv" / "index.sqlite"))
-    store = FactStore(StoreLocation.parse("", tmp_path, S3Settings()), coordination, "test-embedder", DIM,
-                      lancedb_cache_bytes=1 << 20)
+    store = _local_store(tmp_path, lancedb_cache_bytes=1 << 20)
     await store.open()
     for write in range(150):
         await store.ingest_facts(f"u{write % 10}", [NewFact(f"f{write}", f"axis-{write % DIM} fact")], _axis_embed)
@@ -198,9 +199,9 @@ async def test_a_users_cached_fact_matrix_holds_nothing_in_arrows_memory_pool(tm
     store = _local_store(tmp_path)
     await store.open()
     await store.ingest_facts("u", [NewFact(f"f{i}", f"axis-{i % DIM} fact") for i in range(2000)], _axis_embed)
-    store._search_cache.invalidate("u")
+    store._user_writes.search_cache.invalidate("u")
     pooled = pa.total_allocated_bytes()
     await store.search("u", _query(0), 1)
-    cached = store._search_cache.get("u")
+    cached = store._user_writes.search_cache.get("u")
     assert cached is not None and cached.vectors.nbytes == 2000 * DIM * 4
     assert pa.total_allocated_bytes() - pooled < cached.vectors.nbytes

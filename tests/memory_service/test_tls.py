@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import WORKER, memory_service_channel
-from harness.memory_service import MemoryServiceProcess
 from tests.conftest import run_worker
 
 

@@ -1,5 +1,6 @@
 """LanceDB-backed storage of users' facts (with embeddings) and conversation turns, in a local directory or on an
-object store shared by service replicas (memory_service.object_store.StoreLocation).
+object store shared by service replicas (memory_service.object_store.StoreLocation). Writes follow the per-user
+write protocol (memory_service.user_writes), which also keeps the search cache that searches are answered from.
 
 Every method takes validated input (see validation.py): ids come from a quote-free alphabet, which
 is what makes the SQL filters below safe to build by formatting.
@@ -10,13 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import zlib
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import AsyncIterator
 
 import lancedb
 import numpy as np
@@ -26,7 +22,7 @@ import structlog
 from lancedb.index import BTree
 
 from memory_service.blocking import run_blocking
-from memory_service.coordination import CoordinationStore, user_digest
+from memory_service.coordination.store_meta import StoreMeta
 from memory_service.errors import LimitExceeded
 from memory_service.models import (
     IngestOutcome,
@@ -40,16 +36,14 @@ from memory_service.models import (
 )
 from memory_service.object_store import StoreLocation
 from memory_service.steps import step_done
-from memory_service.search_cache import FACT_ROW_COLUMNS, UserFacts, UserFactsCache, fact_row, stored_fact
+from memory_service.user_facts import FACT_ROW_COLUMNS, UserFacts, fact_row, stored_fact
+from memory_service.user_writes import UserWrites, WriteTicket
 
 log = structlog.get_logger(__name__)
 
 FACTS_TABLE = "facts"
 TURNS_TABLE = "turns"
-# Releases before the coordination store kept the version floors in this LanceDB table: moved at open, then dropped.
-LEGACY_VERSION_FLOORS_TABLE = "version_floors"
-_STORE_META_FILE = "store.json"  # releases before the coordination store kept the embedding model here
-_USER_LOCK_STRIPES = 64
+EMBEDDING_META = "embedding"  # the store_meta entry naming the embedding model and dimension
 
 
 class StoreMismatch(RuntimeError):
@@ -98,14 +92,6 @@ def facts_schema(dim: int) -> pa.Schema:
     )
 
 
-@dataclass(frozen=True)
-class WriteTicket:
-    """A write of a user's facts on a shared store: its write generation before the write, and after it."""
-
-    before: int
-    after: int
-
-
 TURNS_SCHEMA = pa.schema(
     [
         pa.field("key", pa.string(), nullable=False),
@@ -119,6 +105,10 @@ TURNS_SCHEMA = pa.schema(
     ]
 )
 
+Embed = Callable[[list[str]], Awaitable[np.ndarray]]
+"""Embeds texts into unit vectors, one row per text."""
+
+
 def _stored_fact(row: dict) -> StoredFact:
     """The StoredFact of a LanceDB row selected with FACT_ROW_COLUMNS."""
     return stored_fact(fact_row(row))
@@ -127,69 +117,51 @@ def _stored_fact(row: dict) -> StoredFact:
 class FactStore:
     """Facts and turns of all users in two LanceDB tables keyed by (user_id, fact_id|turn_id).
 
-    Writes are serialized per user (so version bumps are consistent), across replicas too (the coordination
-    store's user lock), and committed one at a time per process; reads run concurrently. Acknowledged writes are
-    committed to the store. Replicas sharing a store keep per-user search caches that are checked against the
-    user's write generation before use, so a write acknowledged by one replica is seen by the next call on any.
+    Writes follow the per-user write protocol (`user_writes`) and are committed one at a time per process; reads run
+    concurrently. Acknowledged writes are committed to the store. `open` before use.
     """
 
-    def __init__(self, location: StoreLocation, coordination: CoordinationStore, embedding_model: str,
-                 embedding_dim: int, search_cache_bytes: int = 256 << 20, lancedb_cache_bytes: int = 128 << 20) -> None:
+    def __init__(self, location: StoreLocation, user_writes: UserWrites, store_meta: StoreMeta, embedding_model: str,
+                 embedding_dim: int, lancedb_cache_bytes: int = 128 << 20) -> None:
         self._location = location
-        self._coordination = coordination
-        self._shared = coordination.shared or location.shared
+        self._user_writes = user_writes
+        self._store_meta = store_meta
         self._embedding_model = embedding_model
         self._dim = embedding_dim
         self._facts: lancedb.table.AsyncTable | None = None
         self._turns: lancedb.table.AsyncTable | None = None
-        self._user_locks = [asyncio.Lock() for _ in range(_USER_LOCK_STRIPES)]
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
         self._user_indexed_tables: set[str] = set()
-        self._search_cache = UserFactsCache(search_cache_bytes)
         # Bounded: LanceDB's defaults keep a manifest per table version, and every write makes one.
         self._lancedb_session = lancedb.Session(index_cache_size_bytes=lancedb_cache_bytes // 2,
                                                 metadata_cache_size_bytes=lancedb_cache_bytes // 2)
-        self._user_reads: dict[str, tuple[tuple[int, int], asyncio.Task[UserFacts]]] = {}
-        # Shared stores: a user's write holds a coordination connection for its lock and needs another for its
-        # statements. Writes wait for a slot here, on the event loop, and take and release the lock on threads of
-        # their own, so waiting writers never occupy the threads that running writes need.
-        slots = max(1, getattr(coordination.database, "lock_slots", 1))
-        self._lock_slots = asyncio.Semaphore(slots)
-        self._lock_executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="user-lock")
 
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
+        """Opens (or creates) the tables; raises StoreMismatch for a store of another embedding model."""
         await run_blocking(self._check_store_meta)
         if self._location.local_dir is not None:
             self._location.local_dir.mkdir(parents=True, exist_ok=True)
         # Replicas sharing the store see each other's commits: every read checks for a newer table version.
         db = await lancedb.connect_async(self._location.lancedb_uri, storage_options=self._location.lancedb_options,
-                                         read_consistency_interval=timedelta(0) if self._shared else None,
+                                         read_consistency_interval=timedelta(0) if self._user_writes.shared else None,
                                          session=self._lancedb_session)
         existing = set((await db.list_tables()).tables)
         self._facts = await self._open_or_create(db, FACTS_TABLE, facts_schema(self._dim), existing)
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
-        if LEGACY_VERSION_FLOORS_TABLE in existing:
-            floors = await (await db.open_table(LEGACY_VERSION_FLOORS_TABLE)).query().to_list()
-            for row in floors:
-                await run_blocking(self._coordination.raise_version_floor, row["key"], row["floor"])
-            await db.drop_table(LEGACY_VERSION_FLOORS_TABLE)
         for table in (self._facts, self._turns):
             await self._ensure_user_index(table)
 
     def _check_store_meta(self) -> None:
         """Refuses a store written with another embedding model or dimension."""
         wanted = {"embedding_model": self._embedding_model, "embedding_dim": self._dim}
-        legacy = self._location.local_dir / _STORE_META_FILE if self._location.local_dir else None
-        found = [json.loads(legacy.read_text())] if legacy is not None and legacy.exists() else []
-        found.append(json.loads(self._coordination.claim_store_meta("embedding", json.dumps(wanted, sort_keys=True))))
-        for recorded in found:
-            if recorded != wanted:
-                raise StoreMismatch(
-                    f"{self._location.describe()} holds embeddings of {recorded}, not {wanted}: use another store "
-                    "(--data-dir, --store-uri) or the same --embedding-model")
+        recorded = json.loads(self._store_meta.claim(EMBEDDING_META, json.dumps(wanted, sort_keys=True)))
+        if recorded != wanted:
+            raise StoreMismatch(
+                f"{self._location.describe()} holds embeddings of {recorded}, not {wanted}: use another store "
+                "(--data-dir, --store-uri) or the same --embedding-model")
 
     @staticmethod
     async def _open_or_create(
@@ -260,68 +232,9 @@ class FactStore:
         assert self._turns is not None, "FactStore.open() was not awaited"
         return self._turns
 
-    @asynccontextmanager
-    async def _user_writes(self, user_id: str, changes_facts: bool = True) -> AsyncIterator[WriteTicket]:
-        """Serializes the user's writes, in this process and (shared store) across replicas. A write that fails
-        drops the user's cached facts: it may have committed in part, and a cached entry must hold exactly the
-        committed facts (ingest trusts it). On a shared store a write of facts runs inside the user's write
-        sequence (coordination.begin_write / end_write): no replica caches the user while it runs, and every copy
-        cached before it stops being current; cut off midway, the user just stays uncached until its next write."""
-        async with self._user_locks[zlib.crc32(user_id.encode()) % _USER_LOCK_STRIPES]:
-            if not self._shared:
-                step_done("lock")
-                try:
-                    yield WriteTicket(0, 0)
-                except BaseException:
-                    self._search_cache.invalidate(user_id)
-                    raise
-                finally:
-                    step_done("write")
-                return
-            async with self._lock_slots:  # waiters wait here, on the event loop, not on a thread
-                lock = self._coordination.user_lock(user_id)
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self._lock_executor, lock.__enter__)
-                step_done("lock")
-                try:
-                    ticket = WriteTicket(0, 0)
-                    if changes_facts:
-                        before = await run_blocking(self._coordination.write_generation, user_id)
-                        during = await run_blocking(self._coordination.begin_write, user_id, before)
-                        ticket = WriteTicket(before, during + 1)
-                        step_done("begin_write")
-                    try:
-                        yield ticket
-                    except BaseException:
-                        self._search_cache.invalidate(user_id)
-                        raise
-                    finally:
-                        step_done("write")
-                        if changes_facts:
-                            await run_blocking(self._coordination.end_write, user_id)
-                            step_done("end_write")
-                finally:
-                    await loop.run_in_executor(self._lock_executor, lock.__exit__, None, None, None)
-                    step_done("unlock")
-
-    async def _store_generation(self, user_id: str) -> int:
-        """The user's write generation on a shared store (0 on a store of its own)."""
-        return await run_blocking(self._coordination.write_generation, user_id) if self._shared else 0
-
-    def _current_entry(self, user_id: str, store_generation: int) -> UserFacts | None:
-        """The user's cached facts if they reflect `store_generation`, the user's latest (shared stores: it must
-        be even, no write under way, and the one the copy was read at)."""
-        cached = self._search_cache.get(user_id)
-        if cached is None or not self._shared:
-            return cached
-        if store_generation % 2 or cached.store_generation != store_generation:
-            self._search_cache.invalidate(user_id)
-            return None
-        return cached
-
     async def _commit(self, table: lancedb.table.AsyncTable, rows: pa.Table, all_new: bool = False) -> None:
         """Upserts `rows` by key. `all_new`: the caller checked, under the user's write lock, that no key exists,
-        so the rows are appended (milliseconds) instead of merged (a join over the table: ~20 ms at 100k rows)."""
+        so the rows are appended instead of merged (a merge joins the rows with the whole table)."""
         async with self._commit_lock:
             if all_new:
                 await table.add(rows)
@@ -330,7 +243,7 @@ class FactStore:
             self._writes_since_optimize += 1
             try:
                 await self._ensure_user_index(table)
-            except Exception:  # noqa: BLE001 - the write committed; the index is the next write's or optimize's
+            except Exception:  # the write committed; the index is the next write's or optimize's
                 log.exception("user_index_deferred", table=table.name)
 
     # ------------------------------------------------------------------ facts
@@ -339,8 +252,8 @@ class FactStore:
                                       ticket: WriteTicket) -> dict[str, tuple[str, int, int]]:
         """fact_id -> (content_hash, version, created_at_us) for the ids the user has: from the user's cached facts
         when cached and current as of the write (callers hold the user's write lock), else from LanceDB (a filtered
-        scan: ~50 ms of CPU at 100k rows with unindexed ones, taken from concurrent queries)."""
-        cached = self._current_entry(user_id, ticket.before)
+        scan, which takes its CPU from concurrent queries)."""
+        cached = self._user_writes.current_copy(user_id, ticket)
         if cached is not None:
             return cached.versions(set(fact_ids))
         rows = await (
@@ -351,16 +264,17 @@ class FactStore:
         )
         return {row["fact_id"]: (row["content_hash"], row["version"], row["created_at_us"]) for row in rows}
 
-    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed, max_facts_per_user: int | None = None,
+    async def ingest_facts(self, user_id: str, facts: Sequence[NewFact], embed: Embed,
+                           max_facts_per_user: int | None = None,
                            tenant_quota: tuple[str, int] | None = None) -> list[IngestResult]:
         """Creates new facts, bumps the version of changed ones, leaves identical ones alone.
 
-        `embed` is an async callable mapping texts to unit vectors; only new or changed facts are embedded.
+        Only new or changed facts are embedded (`embed`).
         Raises LimitExceeded, storing nothing, when the new facts would take the user past `max_facts_per_user`, or
         the users under `tenant_quota`'s prefix past its fact count (checked per call under the user's lock: calls
         for different users of one tenant racing each other can overshoot it by one batch each).
         """
-        async with self._user_writes(user_id) as ticket:
+        async with self._user_writes.write(user_id) as ticket:
             existing = await self._existing_fact_versions(user_id, [fact.fact_id for fact in facts], ticket)
             results: list[IngestResult] = []
             to_write: list[tuple[NewFact, int, int]] = []
@@ -370,8 +284,7 @@ class FactStore:
                 previous = existing.get(fact.fact_id)
                 if previous is None:
                     if first_version is None:
-                        first_version = await run_blocking(
-                            self._coordination.version_floor, user_digest(user_id)) + 1
+                        first_version = await self._user_writes.first_version(user_id)
                     results.append(IngestResult(fact.fact_id, first_version, IngestOutcome.CREATED))
                     to_write.append((fact, first_version, now))
                 elif previous[0] == fact.content_hash:
@@ -406,12 +319,11 @@ class FactStore:
                         "updated_at_us": now,
                         "vector": vector,
                     }
-                    for (fact, version, created_at_us), vector in zip(to_write, vectors)
+                    for (fact, version, created_at_us), vector in zip(to_write, vectors, strict=True)
                 ]
                 await self._commit(self._facts_table, pa.Table.from_pylist(records, schema=facts_schema(self._dim)),
                                    all_new=len(to_write) == created)
-                self._search_cache.upsert(user_id, [fact_row(record) for record in records], vectors, ticket.before,
-                                          ticket.after)
+                self._user_writes.committed(user_id, [fact_row(record) for record in records], vectors, ticket)
             return results
 
     async def _refuse_past_quota(self, condition: str, created: int, holder: str, limit: int, limit_text: str) -> None:
@@ -423,11 +335,7 @@ class FactStore:
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
         """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
         LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user)."""
-        store_generation = await self._store_generation(user_id)
-        cached = self._current_entry(user_id, store_generation)
-        if cached is None and self._search_cache.may_hold(user_id):
-            # A cancelled caller leaves the read running for the others.
-            cached = await asyncio.shield(self._shared_user_read(user_id, store_generation))
+        cached = await self._user_writes.read(user_id, self._user_facts)
         if cached is not None:
             return cached.top_k(query_vector, top_k)
         rows = await (
@@ -440,35 +348,8 @@ class FactStore:
         )
         return [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
 
-    def _shared_user_read(self, user_id: str, store_generation: int) -> asyncio.Task[UserFacts]:
-        """The read of the user's facts into the search cache: one per user at a time. A search joins a read in
-        flight only if no write to the user came since it started, here or (shared store) on any replica (a later
-        write needs a read that sees it), so a cold user under many concurrent queries costs one LanceDB read, not
-        one per query."""
-        generation = (self._search_cache.generation(user_id), store_generation)
-        in_flight = self._user_reads.get(user_id)
-        if in_flight is not None and in_flight[0] == generation:
-            return in_flight[1]
-        read = asyncio.get_running_loop().create_task(self._read_into_cache(user_id, *generation))
-        self._user_reads[user_id] = (generation, read)
-
-        def finished(task: asyncio.Task[UserFacts]) -> None:
-            if self._user_reads.get(user_id, (generation, None))[1] is task:
-                del self._user_reads[user_id]
-            if not task.cancelled():
-                task.exception()  # retrieved here: every waiter may have been cancelled
-
-        read.add_done_callback(finished)
-        return read
-
-    async def _read_into_cache(self, user_id: str, generation: int, store_generation: int) -> UserFacts:
-        facts = await self._user_facts(user_id, store_generation)
-        self._search_cache.put(user_id, facts, generation)
-        return facts
-
     async def _user_facts(self, user_id: str, store_generation: int) -> UserFacts:
-        """The user's facts as LanceDB has them now, labelled with the store generation taken before the read (a
-        write landing in between moves it, so the copy is not current); with a write under way (odd), unlabelled."""
+        """The user's facts as LanceDB has them now, labelled `store_generation` (user_writes.UserFactsRead)."""
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
             [*FACT_ROW_COLUMNS, "vector"]).to_arrow()
         # One numpy copy, nothing in Arrow's memory pool: a cached matrix lives as long as its user's entry and is
@@ -476,9 +357,8 @@ class FactStore:
         # allocators' pages.
         chunks = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in table.column("vector").chunks]
         vectors = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.float32)
-        rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS)))
-        return UserFacts(rows, vectors.astype(np.float32, copy=False).reshape(len(rows), self._dim),
-                         -1 if store_generation % 2 else store_generation)
+        rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS), strict=True))
+        return UserFacts(rows, vectors.astype(np.float32, copy=False).reshape(len(rows), self._dim), store_generation)
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -499,43 +379,39 @@ class FactStore:
 
     async def delete_facts(self, user_id: str, fact_ids: Sequence[str]) -> list[str]:
         """Deletes the given facts; returns the ids that existed."""
-        async with self._user_writes(user_id) as ticket:
+        async with self._user_writes.write(user_id) as ticket:
             versions = await self._existing_fact_versions(user_id, fact_ids, ticket)
             found = list(versions)
             if found:
-                await self._raise_version_floor(user_id, max(version for _, version, _ in versions.values()))
+                await self._user_writes.retire_versions(user_id, max(version for _, version, _ in versions.values()))
                 async with self._commit_lock:
                     await self._facts_table.delete(f"user_id = '{user_id}' AND fact_id IN ({_sql_list(found)})")
                     self._writes_since_optimize += 1
-                self._search_cache.invalidate(user_id)
+                self._user_writes.dropped(user_id)
             return found
 
     async def delete_user(self, user_id: str) -> tuple[int, int]:
         """Deletes all of a user's facts and turns; returns (facts, turns) deleted."""
         condition = f"user_id = '{user_id}'"
-        async with self._user_writes(user_id):
+        async with self._user_writes.write(user_id):
             facts = await self._facts_table.count_rows(condition)
             turns = await self._turns_table.count_rows(condition)
             if facts:
                 versions = await self._facts_table.query().where(condition).select(["version"]).to_arrow()
-                await self._raise_version_floor(user_id, pc.max(versions.column("version")).as_py())
+                await self._user_writes.retire_versions(user_id, pc.max(versions.column("version")).as_py())
             async with self._commit_lock:
                 if facts:
                     await self._facts_table.delete(condition)
                 if turns:
                     await self._turns_table.delete(condition)
                 self._writes_since_optimize += 1
-            self._search_cache.invalidate(user_id)
+            self._user_writes.dropped(user_id)
             return facts, turns
-
-    async def _raise_version_floor(self, user_id: str, version: int) -> None:
-        """Records, before the facts go, that the user's versions up to `version` are used up."""
-        await run_blocking(self._coordination.raise_version_floor, user_digest(user_id), version)
 
     async def fact_versions(self) -> list[tuple[str, str, int]]:
         """(user_id, fact_id, version) of every stored fact."""
         table = await self._facts_table.query().select(["user_id", "fact_id", "version"]).to_arrow()
-        return list(zip(*(table.column(name).to_pylist() for name in ("user_id", "fact_id", "version"))))
+        return list(zip(*(table.column(name).to_pylist() for name in ("user_id", "fact_id", "version")), strict=True))
 
     async def facts_by_ids(self, user_id: str, fact_ids: Sequence[str]) -> dict[str, StoredFact]:
         if not fact_ids:
@@ -574,7 +450,7 @@ class FactStore:
             ],
             schema=TURNS_SCHEMA,
         )
-        async with self._user_writes(user_id, changes_facts=False):
+        async with self._user_writes.write(user_id, changes_facts=False):
             await self._commit(self._turns_table, rows)
         return len(turns)
 

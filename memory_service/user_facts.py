@@ -1,0 +1,87 @@
+"""A user's facts in memory: their rows and unit embeddings, so that a query's exact top-k is one matrix-vector
+product instead of a LanceDB scan (which costs milliseconds of CPU per query and queues under hundreds of
+concurrent callers). The search cache holds these (memory_service.user_writes says when a copy is current)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from memory_service.models import ScoredFact, StoredFact
+
+FACT_ROW_COLUMNS = ("user_id", "fact_id", "text", "source_turn_id", "timestamp_us", "metadata_json", "version",
+                    "created_at_us", "updated_at_us", "content_hash")
+FactRow = tuple[str, str, str, str, int, str, int, int, int, str]
+"""A cached fact: its FACT_ROW_COLUMNS in order, metadata as JSON text. A tuple of strings and ints is one that
+Python's garbage collector stops tracking, so 100k cached facts do not add 200k objects (a StoredFact and its
+metadata dict each) to every full collection, which stops the event loop for as long as it traverses them."""
+# Positions in a FactRow (literals, so that the type checker knows each field's type).
+_FACT_ID: Final = 1
+_TEXT: Final = 2
+_METADATA_JSON: Final = 5
+_VERSION: Final = 6
+_CREATED_AT_US: Final = 7
+_CONTENT_HASH: Final = 9
+assert [FACT_ROW_COLUMNS[i] for i in (_FACT_ID, _TEXT, _METADATA_JSON, _VERSION, _CREATED_AT_US, _CONTENT_HASH)] == [
+    "fact_id", "text", "metadata_json", "version", "created_at_us", "content_hash"]
+
+
+def fact_row(record: Mapping[str, Any]) -> FactRow:
+    """The FactRow of a record holding (at least) the FACT_ROW_COLUMNS, such as a LanceDB row."""
+    return tuple(record[column] for column in FACT_ROW_COLUMNS)
+
+
+def stored_fact(row: FactRow) -> StoredFact:
+    user_id, fact_id, text, source_turn_id, timestamp_us, metadata_json, version, created_at_us, updated_at_us, _ = row
+    return StoredFact(user_id=user_id, fact_id=fact_id, text=text, source_turn_id=source_turn_id,
+                      timestamp_us=timestamp_us, metadata=json.loads(metadata_json), version=version,
+                      created_at_us=created_at_us, updated_at_us=updated_at_us)
+
+
+@dataclass(frozen=True)
+class UserFacts:
+    """A user's facts and their unit embeddings, vectors[i] belonging to rows[i]."""
+
+    rows: list[FactRow]
+    vectors: np.ndarray  # [len(rows), dim] float32
+    # The user's write generation in the coordination store that these rows reflect (replicas sharing a store);
+    # -1: unknown, so the entry is reloaded before it is used.
+    store_generation: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.vectors.nbytes + sum(len(row[_TEXT]) + len(row[_METADATA_JSON]) + 256 for row in self.rows)
+
+    def versions(self, fact_ids: set[str]) -> dict[str, tuple[str, int, int]]:
+        """fact_id -> (content_hash, version, created_at_us) for those of `fact_ids` the user has."""
+        return {row[_FACT_ID]: (row[_CONTENT_HASH], row[_VERSION], row[_CREATED_AT_US])
+                for row in self.rows if row[_FACT_ID] in fact_ids}
+
+    def top_k(self, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
+        """Exact cosine top-k, best first (ties by fact_id, as LanceDB's exact search would return either)."""
+        if not self.rows:
+            return []
+        scores = self.vectors @ query_vector.astype(np.float32)
+        chosen = np.arange(len(scores)) if top_k >= len(scores) else np.argpartition(-scores, top_k - 1)[:top_k]
+        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.rows[i][_FACT_ID]))
+        return [ScoredFact(fact=stored_fact(self.rows[i]), score=float(scores[i])) for i in ranked]
+
+    def merged(self, rows: list[FactRow], vectors: np.ndarray, store_generation: int) -> UserFacts:
+        """These facts with `rows` written over them (replacing the rows of the same fact_ids, appending new ones),
+        labelled `store_generation`."""
+        position = {row[_FACT_ID]: index for index, row in enumerate(self.rows)}
+        merged_rows, merged_vectors = list(self.rows), self.vectors.copy()
+        appended: list[int] = []
+        for index, row in enumerate(rows):
+            at = position.get(row[_FACT_ID])
+            if at is None:
+                appended.append(index)
+                merged_rows.append(row)
+            else:
+                merged_rows[at] = row
+                merged_vectors[at] = vectors[index]
+        return UserFacts(merged_rows, np.concatenate([merged_vectors, vectors[appended]]), store_generation)
