@@ -194,7 +194,13 @@ class PlanSigner:
 
     def cache_salt(self, plan: LoadPlan) -> str:
         """Keeps injected blocks out of every other request's prefix-cache lookups; only a request with this
-        same signed plan (same user, same KV keys, same tokens) can reuse them."""
+        same signed plan (same user, same KV keys, same tokens) can reuse them.
+
+        Per plan, not per user: vLLM's prefix cache matches tokens under a salt, and a user's equal tokens can stand
+        for other KV under another plan (the same text encoded behind other turns, a fact re-encoded after its turns
+        changed, a fact a recomputed tail prefilled where another plan injects it), so a user-wide salt would hand
+        one request another's bytes. Under one plan each position's KV is its chunk's (the plan names its content
+        id), or, if the request's memory fell back to prefill, that prompt's own prefill."""
         return self.sign(plan).cache_salt
 
     def user_salt(self, profile_id: str, user_id: str) -> str:

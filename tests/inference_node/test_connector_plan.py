@@ -184,6 +184,20 @@ def test_the_cache_salt_is_bound_to_the_plan_and_the_secret() -> None:
     assert salt != PlanSigner(b"o" * 32).cache_salt(plan)
 
 
+def test_equal_tokens_under_one_salt_are_the_same_kv_so_reused_blocks_are_never_another_facts() -> None:
+    """Injected blocks are reused only by a request of the very same plan: the same tokens with other KV (another
+    context window's encoding, a fact re-encoded after its turns changed, another version), a plan that leaves a
+    fact to prefill (a recomputed tail), or another user's plan, are each salted apart (why a user-wide salt would
+    not be safe: PlanSigner.cache_salt)."""
+    plan = _plan(("a", FACT_A))
+    header = PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER))
+    other_kv = LoadPlan(PROFILE, "u1", header, (PlanFact("a", 1, content_id(PROFILE, [7], FACT_A), tuple(FACT_A)),))
+    re_encoded = LoadPlan(PROFILE, "u1", header, (PlanFact("a", 2, plan.facts[0].content_id, tuple(FACT_A)),))
+    header_only = LoadPlan(PROFILE, "u1", header, ())  # the fact left to prefill
+    salts = {SIGNER.cache_salt(p) for p in (plan, other_kv, re_encoded, header_only, _plan(("a", FACT_A), user="u2"))}
+    assert len(salts) == 5 and SIGNER.cache_salt(_plan(("a", FACT_A))) in salts
+
+
 def test_client_plans_and_reserved_salts_are_stripped_at_any_depth() -> None:
     body = {"kv_transfer_params": {"x": 1}, "cache_salt": "isk-forged", "vllm_xargs": {"kv_transfer_params": {}},
             "requests": [{"kv_transfer_params": None, "cache_salt": "mine"}]}
