@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,7 +352,8 @@ def node_counters(base_url: str) -> dict[str, float]:
         return parse_counters(response.read().decode())
 
 
-def engine_ttft_ms(before: dict[str, float], after: dict[str, float], histogram: str = "ttft") -> dict[str, float]:
+def engine_ttft_ms(before: Mapping[str, float], after: Mapping[str, float],
+                   histogram: str = "ttft") -> dict[str, float]:
     """vLLM's own TTFT (or another of _VLLM_HISTOGRAMS) over a run, from its histogram's sum and count (mean;
     percentiles need the buckets)."""
     count = after.get(f"{histogram}_count", 0.0) - before.get(f"{histogram}_count", 0.0)
@@ -360,13 +362,13 @@ def engine_ttft_ms(before: dict[str, float], after: dict[str, float], histogram:
     return {"mean": mean, "requests": count}
 
 
-def counter_ratio(before: dict[str, float], after: dict[str, float], hits: str, lookups: str) -> float | None:
+def counter_ratio(before: Mapping[str, float], after: Mapping[str, float], hits: str, lookups: str) -> float | None:
     """hits / lookups over a run, from two counters' deltas (None without lookups)."""
     total = after.get(lookups, 0.0) - before.get(lookups, 0.0)
     return (after.get(hits, 0.0) - before.get(hits, 0.0)) / total if total else None
 
 
-def hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+def hit_rate(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
     return counter_ratio(before, after, "node_cache_hits", "node_cache_lookups")
 
 

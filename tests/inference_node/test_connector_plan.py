@@ -106,7 +106,8 @@ json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=10)
-look_alikes = st.sampled_from([True, False, 1.0, 1, "1", None, [], {}])  # equal to a valid value in Python, not JSON
+# Equal to a valid value in Python, not in JSON:
+look_alikes: st.SearchStrategy[object] = st.sampled_from([True, False, 1.0, 1, "1", None, [], {}])
 token_ids = st.lists(st.integers(-3, 200), max_size=4).map(tuple)
 plans = st.builds(LoadPlan, st.text(max_size=5), st.text(max_size=5),
                   st.builds(PlanHeader, st.text(max_size=5), token_ids),

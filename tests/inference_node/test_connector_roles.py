@@ -5,6 +5,7 @@ carve-out."""
 import json
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,8 @@ def _model_config(**overrides) -> SimpleNamespace:
     return SimpleNamespace(hf_config=hf_config, dtype=torch.float32)
 
 
-def _vllm_config(pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, **model_overrides) -> SimpleNamespace:
+def _vllm_config(pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, **model_overrides) -> Any:
+    """vLLM's config as the connector reads it (a stand-in: only those fields)."""
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size,
                                                            pipeline_parallel_size=pipeline_parallel_size),
                            model_config=_model_config(**model_overrides), speculative_config=None)
@@ -71,7 +73,8 @@ def _plan(fact: tuple[int, ...] = tuple(FACT), content: str | None = None) -> Lo
 
 
 def _request(request_id: str, signer: PlanSigner = SIGNER, salt: str | None = None, lora=None,
-             sign: bool = True, plan: LoadPlan | None = None, prompt: list[int] | None = None) -> SimpleNamespace:
+             sign: bool = True, plan: LoadPlan | None = None, prompt: list[int] | None = None) -> Any:
+    """A vLLM Request as the scheduler role reads it."""
     plan = plan or _plan()
     params = signer.kv_transfer_params(plan) if sign else {"inferscale": {"plan": plan.to_wire()}}
     return SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=prompt or PROMPT,
@@ -100,18 +103,23 @@ def test_refused_plans_claim_nothing_and_are_counted(scheduler, request_kwargs) 
     assert _refused(scheduler) == 1
 
 
-_NO_OUTPUT = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+_NO_OUTPUT: Any = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
 
 
-def _blocks(*block_ids: int) -> SimpleNamespace:
+def _connector_output(report: PrefetchReport | None, invalid_block_ids: set[int]) -> Any:
+    """vLLM's KVConnectorOutput as the scheduler role reads it."""
+    return SimpleNamespace(kv_connector_worker_meta=report, invalid_block_ids=invalid_block_ids)
+
+
+def _blocks(*block_ids: int) -> Any:
     return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
 
 
-def _step(scheduler: InferScaleScheduler, *requests: SimpleNamespace, local_hit: int = 0,
+def _step(scheduler: InferScaleScheduler, *requests: Any, local_hit: int = 0,
           allocate: bool = True) -> tuple[dict[str, int | None], InferScaleConnectorMetadata]:
     """One pass of vLLM's scheduler over waiting requests: ask, skip on None, allocate and tell the connector
     (unless `allocate` is False: no free blocks), then build the step's metadata."""
-    answers = {}
+    answers: dict[str, int | None] = {}
     for request in requests:
         claim, load_async = scheduler.get_num_new_matched_tokens(request, local_hit)
         assert load_async is False  # never async
@@ -126,8 +134,7 @@ def _settle(scheduler: InferScaleScheduler, metadata: InferScaleConnectorMetadat
     """The workers' report of every prefetch in `metadata`, as vLLM's aggregator sums it over `ranks`."""
     keys = Counter({chunk.key: ranks for spec in metadata.prefetches for chunk in spec.chunks})
     report = PrefetchReport(failed=keys) if failed else PrefetchReport(fetched=keys)
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report,
-                                                      invalid_block_ids=set(invalid_blocks)))
+    scheduler.update_connector_output(_connector_output(report, set(invalid_blocks)))
 
 
 def _stats(scheduler: InferScaleScheduler) -> dict[str, int]:
@@ -190,11 +197,9 @@ def test_a_load_failed_on_one_rank_leaves_its_chunks_cold(monkeypatch, clock) ->
     scheduler = _scheduler(monkeypatch, clock, tensor_parallel_size=2)
     _, metadata = _step(scheduler, _request("r1"))
     keys = Counter(chunk.key for spec in metadata.prefetches for chunk in spec.chunks)
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PrefetchReport(fetched=keys),
-                                                      invalid_block_ids=set()))
+    scheduler.update_connector_output(_connector_output(PrefetchReport(fetched=keys), set()))
     assert _step(scheduler, _request("r2"))[0] == {"r2": None}  # one rank of two: not resident
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PrefetchReport(failed=keys),
-                                                      invalid_block_ids=set()))
+    scheduler.update_connector_output(_connector_output(PrefetchReport(failed=keys), set()))
     answers, metadata = _step(scheduler, _request("r1"), _request("r3"))
     assert answers == {"r1": 0, "r3": None}  # r1 waited for it: prefilled; r3 orders it again
     assert set(metadata.evictions) == set(keys) and len(metadata.prefetches) == 1  # evicted first, then fetched
@@ -263,7 +268,7 @@ def test_a_failed_synchronous_load_is_a_defect_its_chunks_are_fetched_again(sche
     _, metadata = _step(scheduler, _request("r1"))
     _settle(scheduler, metadata)
     _, metadata = _step(scheduler, _request("r1"))
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None, invalid_block_ids={1}))
+    scheduler.update_connector_output(_connector_output(None, {1}))
     assert _stats(scheduler)["load_defects"] == 1
     answers, metadata = _step(scheduler, _request("r2"))
     assert answers == {"r2": None} and len(metadata.evictions) == 2 and len(metadata.prefetches) == 1
@@ -310,7 +315,7 @@ def test_engine_start_refuses_speculative_decoding_and_other_kv_cache_layouts() 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64)
 
-    def layout(*specs) -> SimpleNamespace:
+    def layout(*specs) -> Any:
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
 
     check_supported(_vllm_config(), layout(full))

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -60,17 +61,22 @@ def layers() -> dict[str, _AttentionLayer]:
 
 
 def _worker(settings: NodeSettings) -> InferScaleWorker:
-    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
+    vllm_config: Any = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
                                   model_config=SimpleNamespace(hf_config=HF_CONFIG, dtype=torch.float32,
                                                                max_model_len=64),
                                   parallel_config=SimpleNamespace(tensor_parallel_size=1))
     return InferScaleWorker.from_settings(vllm_config, settings)
 
 
+def _forward_context(layers: dict) -> Any:
+    """vLLM's forward context as the worker role reads it."""
+    return SimpleNamespace(no_compile_layers=layers)
+
+
 def _prefetch(worker: InferScaleWorker, layers: dict, chunks=CHUNKS) -> PrefetchReport:
     """Starts a prefetch of `chunks` in a step's metadata, then polls the worker's report as later steps do."""
     metadata = InferScaleConnectorMetadata(prefetches=[PrefetchSpec("u1", chunks)])
-    worker.start_load_kv(metadata, SimpleNamespace(no_compile_layers=layers))
+    worker.start_load_kv(metadata, _forward_context(layers))
     deadline = time.monotonic() + 30
     while (report := worker.build_worker_meta()) is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -80,7 +86,7 @@ def _prefetch(worker: InferScaleWorker, layers: dict, chunks=CHUNKS) -> Prefetch
 
 def _load(worker: InferScaleWorker, layers: dict, request_id: str) -> None:
     spec = LoadSpec(request_id, "u1", CHUNKS, 0, 7, (5, 6))
-    worker.start_load_kv(InferScaleConnectorMetadata(loads=[spec]), SimpleNamespace(no_compile_layers=layers))
+    worker.start_load_kv(InferScaleConnectorMetadata(loads=[spec]), _forward_context(layers))
 
 
 def test_the_settings_choose_the_kv_source_and_the_load_timer_once(tmp_path: Path) -> None:
@@ -141,7 +147,7 @@ class _Source:
     """A KV source that records the threads it is called on and gives what `make` returns."""
 
     def __init__(self, make) -> None:
-        self.make, self.threads = make, []
+        self.make, self.threads = make, list[str]()
 
     def fetch(self, user_id, chunks, device, dtype, compute_stream):
         self.threads.append(threading.current_thread().name)
@@ -149,7 +155,7 @@ class _Source:
 
 
 def _worker_with(source: _Source, shard: KvHeadShard = UNSHARDED) -> InferScaleWorker:
-    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
+    vllm_config: Any = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
                                   model_config=SimpleNamespace(hf_config=HF_CONFIG, dtype=torch.float32,
                                                                max_model_len=64),
                                   parallel_config=SimpleNamespace(tensor_parallel_size=shard.size))

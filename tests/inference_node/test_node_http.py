@@ -6,6 +6,7 @@ import json
 import re
 import time
 import urllib.request
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ from tests.inference_node.conftest import (
     tiny_profile,
     upload_custom_kv,
 )
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 QUESTION = "def answer(question):"
 K_FACTS = [f"Fact {i}: the user likes item {i * 7} and visits place {i * 3} on day {i}." for i in range(6)]
@@ -89,8 +93,8 @@ def _independent_fact_reference(model_dir, header_ids: list[int], facts: list[li
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
     header_len = len(header_ids)
-    keys = [[] for _ in range(layers)]
-    values = [[] for _ in range(layers)]
+    keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    values: list[list[torch.Tensor]] = [[] for _ in range(layers)]
     offset = header_len
     with torch.no_grad():
         for index, fact in enumerate(facts):
@@ -243,7 +247,7 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{node.base_url}/v1", api_key="unused")
-    messages = [{"role": "user", "content": "What does Carol collect?"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What does Carol collect?"}]
     results = {}
     for mode in ("kv", "text"):
         memory = {"memory": {"user_id": "openai", "mode": mode}}
@@ -261,7 +265,8 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
             model=str(node.model_dir), prompt=QUESTION, max_tokens=6, temperature=0, stream=True,
             extra_body=memory))
         assert streamed_completion == completion.choices[0].text
-        results[mode] = (chat.choices[0].message.content, chat.usage.prompt_tokens_details.cached_tokens)
+        assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+        results[mode] = (chat.choices[0].message.content, chat.usage.prompt_tokens_details.cached_tokens or 0)
     assert results["kv"][0] == results["text"][0]
     assert results["kv"][1] > results["text"][1]
 
