@@ -61,7 +61,7 @@ from tqdm import tqdm
 
 from benchmarks.dummy_model import SHAPES, build_dummy_model
 from benchmarks.locomo_data import load_locomo
-from benchmarks.serve_session import ServerProcess, Session
+from benchmarks.serve_session import ServerProcess, Session, exclusive
 from benchmarks.stats import percentiles_ms
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
@@ -732,15 +732,16 @@ def main() -> None:
         if len(plans) > 1 and any(plan.warm_users for plan in plans):
             parser.error("--prepare: the cold workload needs a node of its own (a node cache for two users)")
         state = Path(args.prepare)
-        session = Session(str(state.parent / "work"), str(state), {**_setup_of(args),
-                                                                    "namespaces": isolation_namespaces(contenders)})
-        if state.exists():  # resume a prepare cut short, made with the same arguments
-            prepared = Session.load(state)
-            if prepared.setup != session.setup:
-                parser.error(f"--prepare: {state} was prepared with other arguments: --stop it first")
-            session = prepared
-        tokenizer_dir = (args.model or build_smollm2()).resolve()
-        prepare(session, plans, args, tokenizer_dir, contenders, session.setup["namespaces"])
+        with exclusive(state):  # a prepare cut short at a call's limit may still run: this one waits for it
+            session = Session(str(state.parent / "work"), str(state), {**_setup_of(args),
+                                                                        "namespaces": isolation_namespaces(contenders)})
+            if state.exists():  # resume a prepare cut short, made with the same arguments
+                prepared = Session.load(state)
+                if prepared.setup != session.setup:
+                    parser.error(f"--prepare: {state} was prepared with other arguments: --stop it first")
+                session = prepared
+            tokenizer_dir = (args.model or build_smollm2()).resolve()
+            prepare(session, plans, args, tokenizer_dir, contenders, session.setup["namespaces"])
         print(f"prepared: {', '.join(plan.name for plan in plans)}; state {state}", flush=True)
         return
     namespaces = session.setup["namespaces"] if session is not None else isolation_namespaces(contenders)

@@ -9,12 +9,15 @@ so a prepare cut short resumes where it stopped; `gone()` names what died, for a
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,25 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STATE_VERSION = 1
+
+
+@contextlib.contextmanager
+def exclusive(state: Path) -> Iterator[None]:
+    """Holds the state file's lock (one prepare at a time); says whom it waits for when another holds it."""
+    state.parent.mkdir(parents=True, exist_ok=True)
+    with open(state.with_name(state.name + ".lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            print(f"waiting for the prepare already running on {state} (pid {lock.read().strip() or '?'})",
+                  flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
 
 
 @dataclass

@@ -90,3 +90,19 @@ def test_device_run_names_its_stages_and_a_measuring_stage_without_its_servers_e
     assert "run the prepare-throughput stage again" in orphan.stderr
     assert "no prepared servers" in (tmp_path / "out" / "serve-throughput.txt").read_text()
     assert _device_run(tmp_path, "stop").returncode == 0
+
+
+def test_one_prepare_at_a_time_on_a_state_file(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from benchmarks.serve_session import exclusive\n"
+                               f"with exclusive(Path({str(state)!r})):\n    print('held', flush=True)\n"
+                               "    time.sleep(3)\n"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    waiter = subprocess.run([sys.executable, "-c", "from pathlib import Path\n"
+                             "from benchmarks.serve_session import exclusive\n"
+                             f"with exclusive(Path({str(state)!r})):\n    print('got it')\n"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert waiter.stdout.splitlines() == [f"waiting for the prepare already running on {state} (pid {holder.pid})",
+                                          "got it"]
+    assert holder.wait(timeout=30) == 0
