@@ -44,7 +44,9 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -526,8 +528,14 @@ def prepare(session: Session, plans: list[WorkloadPlan], args: argparse.Namespac
     session.model_dir = str(model_dir)
     memories = _memories(plans, contenders, namespaces)
     if not session.service_healthy():
-        service = MemoryServiceProcess(work / "data", work / "memory_service.log", *args.service_flags.split()).start()
-        session.service = ServerProcess(service.pid, service.address, str(service.log_path))
+        service = MemoryServiceProcess(work / "data", work / "memory_service.log", *args.service_flags.split())
+        try:
+            service.start()
+        except BaseException:  # not recorded yet: stopped here (a prepare stopped meanwhile leaves nothing behind)
+            if service.process is not None:
+                service.stop(signal.SIGKILL)
+            raise
+        session.service = ServerProcess(service.pid, "memory_service", service.address, str(service.log_path))
         session.service_metrics_port = service.metrics_port
         session.save()
         print(f"memory service up at {service.address} (pid {service.pid}), {_elapsed(started)}", flush=True)
@@ -555,9 +563,15 @@ def prepare(session: Session, plans: list[WorkloadPlan], args: argparse.Namespac
                                                        len(cold[0].warm_users))
             node_flags += ["--node-cache-mb", str(session.node_cache_mb)]
         print("starting the inference node ...", flush=True)
-        node = InferenceNodeProcess(session.service.address, model_dir, work / "node", *node_flags).start()
+        node = InferenceNodeProcess(session.service.address, model_dir, work / "node", *node_flags)
+        try:
+            node.start()
+        except BaseException:  # not recorded yet: stopped here
+            node.stop()
+            raise
         assert node.process is not None
-        session.node = ServerProcess(node.process.pid, node.base_url, str(node.log_path), own_session=True)
+        session.node = ServerProcess(node.process.pid, "inference_node", node.base_url, str(node.log_path),
+                                     own_session=True)
         session.save()
         print(f"inference node up at {node.base_url} (pid {node.process.pid}), {_elapsed(started)}", flush=True)
     from openai import OpenAI
@@ -582,7 +596,7 @@ def _compute_kv(session: Session, stub, total: int, args: argparse.Namespace, sy
         worker = subprocess.Popen([sys.executable, "-m", worker_module, "--memory-service", session.service.address,
                                    "--model", session.model_dir, "--dtype", args.kv_dtype, "--exit-when-idle"],
                                   stdout=subprocess.DEVNULL, stderr=log.open("ab"))
-        session.worker = ServerProcess(worker.pid, "", str(log))
+        session.worker = ServerProcess(worker.pid, worker_module, log=str(log))
         session.save()
     with tqdm(total=total, desc="precomputing fact KV", unit="fact") as progress:
         while True:
@@ -640,7 +654,7 @@ def measure(session: Session, plan: WorkloadPlan, args: argparse.Namespace, load
 
 # What a session's memories and servers are made with: an attached run takes them from the state file.
 SETUP_ARGS = ("workloads", "users", "facts_per_user", "fact_clauses", "locomo", "varying_facts", "long_users",
-              "long_clauses", "long_max_model_len", "cold_users", "kv_auto", "model", "shape", "kv_dtype",
+              "long_clauses", "long_max_model_len", "cold_users", "model", "shape", "kv_dtype",
               "load_stats", "node_flags", "service_flags", "max_tokens")
 
 
@@ -732,6 +746,7 @@ def main() -> None:
         if len(plans) > 1 and any(plan.warm_users for plan in plans):
             parser.error("--prepare: the cold workload needs a node of its own (a node cache for two users)")
         state = Path(args.prepare)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # --stop ends a prepare still running: cleanly
         with exclusive(state):  # a prepare cut short at a call's limit may still run: this one waits for it
             session = Session(str(state.parent / "work"), str(state), {**_setup_of(args),
                                                                         "namespaces": isolation_namespaces(contenders)})
@@ -740,8 +755,14 @@ def main() -> None:
                 if prepared.setup != session.setup:
                     parser.error(f"--prepare: {state} was prepared with other arguments: --stop it first")
                 session = prepared
-            tokenizer_dir = (args.model or build_smollm2()).resolve()
-            prepare(session, plans, args, tokenizer_dir, contenders, session.setup["namespaces"])
+            session.preparer = ServerProcess(os.getpid(), "benchmarks.serve")
+            session.save()
+            try:
+                prepare(session, plans, args, (args.model or build_smollm2()).resolve(), contenders,
+                        session.setup["namespaces"])
+            finally:
+                session.preparer = None
+                session.save()
         print(f"prepared: {', '.join(plan.name for plan in plans)}; state {state}", flush=True)
         return
     namespaces = session.setup["namespaces"] if session is not None else isolation_namespaces(contenders)

@@ -49,23 +49,23 @@ def exclusive(state: Path) -> Iterator[None]:
 
 @dataclass
 class ServerProcess:
-    """A process the session started: its pid, where it serves (host:port or URL), and its log."""
+    """A process the session started: its pid, what its command line holds (so that a pid the system gave to
+    another process since is not taken for it), where it serves (host:port or URL), and its log."""
 
     pid: int
-    address: str
-    log: str
+    command: str
+    address: str = ""
+    log: str = ""
     own_session: bool = False  # started with its own process group (the node): stopped as a group
 
     def running(self) -> bool:
-        """The process exists and is no zombie."""
+        """The process exists, is no zombie, and is the one started."""
         try:
-            os.kill(self.pid, 0)
-        except (ProcessLookupError, PermissionError):
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            command = Path(f"/proc/{self.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
             return False
-        try:
-            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return True
+        return stat.rsplit(")", 1)[1].split()[0] != "Z" and self.command in command
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if not self.running():
@@ -94,6 +94,7 @@ class Session:
     service_metrics_port: int = 0
     worker: ServerProcess | None = None
     node: ServerProcess | None = None
+    preparer: ServerProcess | None = None  # the prepare that made it (it may still run, cut at a call's limit)
     node_cache_mb: int | None = None
     done: list[str] = field(default_factory=list)  # phases done: "ingest", "kv", "warm:<workload>"
 
@@ -110,7 +111,7 @@ class Session:
         if raw.pop("version", None) != STATE_VERSION:
             raise SystemExit(f"{path}: not a serving benchmark state file of this version")
         processes = {name: ServerProcess(**raw[name]) if raw.get(name) else None
-                     for name in ("service", "worker", "node")}
+                     for name in ("service", "worker", "node", "preparer")}
         return cls(**{**raw, **processes})
 
     def mark(self, phase: str) -> None:
@@ -149,7 +150,8 @@ class Session:
         return missing
 
     def stop(self) -> None:
-        """Stops the node, the worker and the memory service (the node first: it calls the service)."""
-        for process in (self.node, self.worker, self.service):
-            if process is not None:
+        """Stops a prepare still running (it stops what it has not recorded yet), then the node, the worker and the
+        memory service (the node first: it calls the service)."""
+        for process in (self.preparer, self.node, self.worker, self.service):
+            if process is not None and process.pid != os.getpid():
                 process.stop()

@@ -54,7 +54,8 @@ def test_isolated_users_hold_the_same_memories_under_other_names() -> None:
 def test_a_session_survives_its_state_file_and_stops_its_processes_by_pid(tmp_path: Path) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     session = Session(str(tmp_path / "work"), str(tmp_path / "state.json"), {"workloads": ["synthetic"]})
-    session.node = ServerProcess(sleeper.pid, "http://127.0.0.1:9", "node.log", own_session=True)
+    session.node = ServerProcess(sleeper.pid, "time.sleep", "http://127.0.0.1:9", "node.log", own_session=True)
+    assert not ServerProcess(sleeper.pid, "inference_node").running()  # that pid is not a node
     session.mark("ingest")
     loaded = Session.load(tmp_path / "state.json")
     assert loaded == session and loaded.node is not None and loaded.node.running()
