@@ -379,7 +379,7 @@ def connector_phases(stats_path: Path, chunks: int) -> dict | None:
     if not stats_path.exists():
         return None
     loads = [json.loads(line) for line in stats_path.read_text().splitlines()]
-    # Records of loads that fetched (written by earlier versions, which loaded asynchronously) are not warm loads.
+    # Records that name node-cache misses (loads that also fetched, as earlier versions wrote) are not warm loads.
     warm = [load for load in loads if load["chunks"] == chunks and not load.get("node_cache_misses")]
     if not warm:
         return None
