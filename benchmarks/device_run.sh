@@ -16,13 +16,14 @@
 #   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts
 #   bash benchmarks/device_run.sh OUT prepare-cold        # 64 users' KV against a node cache for two
 #   bash benchmarks/device_run.sh OUT cold                # 16 in flight; kv-warm: two users whose KV is cached
-#   bash benchmarks/device_run.sh OUT failure             # every way a load can fail, under each model runner
+#   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
+#   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding
 #   bash benchmarks/device_run.sh OUT stop                # stops every prepared server
 #
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
 # Contenders kv (always injects), kv-auto (the node's crossover policy, where its users fit), text, text-stable, off.
 set -euo pipefail
-usage="usage: device_run.sh OUT_DIR prepare-latency|latency|long|prepare-throughput|throughput|varying|prepare-cold|cold|failure|stop"
+usage="usage: device_run.sh OUT_DIR prepare-latency|latency|long|prepare-throughput|throughput|varying|prepare-cold|cold|failure [RUNS]|memory-step|stop"
 out=${1:?$usage}
 stage=${2:?$usage}
 root=${INFERSCALE_BENCH_DIR:-/tmp/inferscale-bench}  # the prepared servers: state, data, logs
@@ -46,9 +47,9 @@ stop_all() {  # every prepared session, through its state file (their pids): the
 }
 prepare() {  # servers NAME [serve flags]: stops other servers, then prepares (or resumes) these in their own session
   local name=$1; shift
-  for state in "$root"/*/state.json; do
+  for state in "$root"/*/state.json; do  # the other sessions' servers and data go: the disk holds one at a time
     [ -e "$state" ] && [ "$state" != "$root/$name/state.json" ] && python3 -m benchmarks.serve --stop "$state" \
-      && rm -f "$state"
+      && rm -rf "$(dirname "$state")"
   done
   setsid -w python3 -m benchmarks.serve --prepare "$root/$name/state.json" "${common[@]}" "$@" 2>&1 | quiet \
     | tee -a "$out/prepare-$name.txt"
@@ -81,10 +82,12 @@ case $stage in
     attach latency serve-long --workloads long --requests 8 --concurrency 1 "${contenders[@]}"
     attach latency serve-long-c32 --workloads long --requests 64 --concurrency 32 "${contenders[@]}" ;;
   prepare-throughput)  # no kv-auto: its users would need a second copy of every memory (kv-auto is kv at k=50)
+    # The memory service's host cache and the node's RetrieveAndStage deadline at their defaults: the memory step
+    # must keep every memory as shipped.
     prepare throughput --workloads synthetic --users 128 --facts-per-user 50 --k 50 --tails \
-      --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
+      --service-flags "--embedding-threads 8" \
       --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.9 --node-cache-mb 30000 \
---embed-queries-locally --retrieve-timeout-s 10" ;;
+--embed-queries-locally" ;;
   throughput)
     attach throughput serve-throughput --workloads synthetic --k 50 --requests 256 --concurrency 128 --tails ;;
   varying)
@@ -97,8 +100,13 @@ case $stage in
     attach cold serve-cold --workloads cold --requests 64 --concurrency 16 --tails ;;
   failure)
     stop_all  # the scenario starts engines of its own
-    python3 -m benchmarks.gpu_failure_path --output "$out/failure-path" --work "$root/failure" 2>&1 \
-      | grep --line-buffered "^run=\|^verdict" | tee "$out/failure-path.txt" ;;
+    python3 -m benchmarks.gpu_failure_path --output "$out/failure-path" --work "$root/failure" \
+      ${3:+--runs $3} 2>&1 | grep --line-buffered "^run=\|^verdict" | tee "$out/failure-path.txt" ;;
+  memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV, the service's defaults
+    stop_all
+    python3 -m benchmarks.memory_step --users 16 --facts-per-user 50 --k 50 --callers 1 8 64 128 --duration-s 12 \
+      --embeds service caller --model .gpu/smollm2 --service-flags "--embedding-threads 8" \
+      --output "$out/memory-step.json" 2>&1 | quiet | grep --line-buffered "^{\||" | tee "$out/memory-step.txt" ;;
   stop)
     stop_all ;;
   *) echo "$usage" >&2; exit 2 ;;

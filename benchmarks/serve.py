@@ -97,12 +97,15 @@ class Sample:
     prompt_tokens: int
     cached_tokens: int  # injected by the connector or reused from vLLM's prefix cache
     memory_lost: str | None = None  # why the answer lacks the memory its contender asked for (None: it has it)
+    memory_step_s: float = 0.0  # the node's RetrieveAndStage, as its x-inferscale-memory reports it
 
 
-def memory_lost(summary: dict, memory: dict, expected_facts: int) -> str | None:
+def memory_lost(summary: dict, memory: dict, expected_facts: int, cached_tokens: int | None = None) -> str | None:
     """Why a request came back without the memory its contender asked for, read off the node's x-inferscale-memory
     summary: the memory dropped (the memory service failed or was late), fewer facts than the user's top-k, or in kv
-    mode facts served as text that the contender wanted injected. None: the request has its memory."""
+    mode facts served as text that the contender wanted injected, or planned for injection but prefilled by vLLM
+    (`cached_tokens`, vLLM's count of prompt tokens it did not compute, below the plan's injectable tokens: the
+    connector fell back). None: the request has its memory as asked."""
     mode = memory.get("mode", "kv")
     if mode == "off":
         return None
@@ -117,6 +120,9 @@ def memory_lost(summary: dict, memory: dict, expected_facts: int) -> str | None:
         wanted = max(expected_facts - memory.get("recompute_tail_facts", 0), 0)
         if summary.get("kv_facts", 0) < wanted:
             return f"{summary.get('kv_facts', 0)} of {wanted} facts injected"
+        injectable = summary.get("injectable_tokens", 0)
+        if cached_tokens is not None and cached_tokens < injectable:
+            return f"{cached_tokens} of {injectable} injectable tokens loaded (prefilled instead)"
     return None
 
 
@@ -144,9 +150,10 @@ def one_request(client, model: str, user: str, question: str, memory: dict, k: i
     stage_s = summary.get("stage_ms", 0.0) / 1000
     details = usage.prompt_tokens_details if usage else None
     generated = usage.completion_tokens if usage else chunks
+    cached = (details.cached_tokens or 0) if details else 0
     return Sample(contender, k, first - started, first - started - stage_s,
                   (end - first) / max(generated - 1, 1), end - started, usage.prompt_tokens if usage else 0,
-                  (details.cached_tokens or 0) if details else 0, memory_lost(summary, memory, expected_facts))
+                  cached, memory_lost(summary, memory, expected_facts, cached if usage else None), stage_s)
 
 
 def summarize(samples: list[Sample], wall_s: float) -> dict:
@@ -160,6 +167,7 @@ def summarize(samples: list[Sample], wall_s: float) -> dict:
         "lost_memory_examples": lost[:3],
         "query_to_first_token_ms": percentiles_ms([s.query_to_first_token_s for s in kept]),
         "ttft_ms": percentiles_ms([s.ttft_s for s in kept]),
+        "memory_step_ms": percentiles_ms([s.memory_step_s for s in kept]),
         "tpot_ms": percentiles_ms([s.tpot_s for s in kept]),
         "throughput_rps": len(kept) / wall_s if not lost else math.nan,
         "mean_prompt_tokens": sum(s.prompt_tokens for s in kept) / len(kept) if kept else math.nan,
@@ -862,6 +870,7 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
         for label, value, spec in metric_rows:
             print(f"{label:<34}" + "".join(f"{_fmt(value(r), spec):>{width}}" for r in rows.values()))
         for heading, metric, points in (("Query-to-first-token (ms)", "query_to_first_token_ms", ("p50", "p90", "p99")),
+                                        ("Memory step, RetrieveAndStage (ms)", "memory_step_ms", ("p50", "p99")),
                                         ("TTFT after the memory step (ms)", "ttft_ms", ("p50", "p90", "p99")),
                                         ("Engine TTFT, vLLM (ms)", "engine_ttft_ms", ("mean",)),
                                         ("Engine queue time, vLLM (ms)", "engine_queue_ms", ("mean",)),

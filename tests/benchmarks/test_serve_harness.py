@@ -191,6 +191,12 @@ def test_a_request_without_the_memory_its_contender_asked_for_is_named(summary, 
     assert memory_lost(summary, memory, expected_facts=20) == why
 
 
+def test_a_kv_request_the_connector_left_to_prefill_is_not_a_kv_result() -> None:
+    summary = {"mode": "kv", "facts": 20, "kv_facts": 20, "injectable_tokens": 700}
+    assert memory_lost(summary, KV, 20, cached_tokens=704) is None
+    assert memory_lost(summary, KV, 20, cached_tokens=0) == "0 of 700 injectable tokens loaded (prefilled instead)"
+
+
 def test_requests_that_lost_their_memory_are_counted_apart_and_never_in_the_figures() -> None:
     def sample(seconds: float, lost: str | None) -> Sample:
         return Sample("kv", 20, seconds, seconds, 0.01, seconds + 0.1, 700 if lost is None else 40, 0, lost)
