@@ -11,7 +11,7 @@
 #   bash benchmarks/device_run.sh OUT prepare-latency     # 4 users x 60 facts (k sweep) + 4 long users, node for both
 #   bash benchmarks/device_run.sh OUT latency             # k = 1 2 5 10 20 50, 1 in flight; then the crossover
 #   bash benchmarks/device_run.sh OUT long                # ~6,500 memory tokens: 1 in flight, then 32 in flight
-#   bash benchmarks/device_run.sh OUT prepare-throughput  # 128 users x 50 facts, node cache and KV cache for them
+#   bash benchmarks/device_run.sh OUT prepare-throughput  # 128 users x 50 facts ($THROUGHPUT_USERS), node cache for them
 #   bash benchmarks/device_run.sh OUT throughput          # 128 in flight, each request the user's whole memory
 #   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts
 #   bash benchmarks/device_run.sh OUT prepare-cold        # 64 users' KV against a node cache for two
@@ -84,7 +84,7 @@ case $stage in
   prepare-throughput)  # no kv-auto: its users would need a second copy of every memory (kv-auto is kv at k=50)
     # The memory service's host cache and the node's RetrieveAndStage deadline at their defaults: the memory step
     # must keep every memory as shipped.
-    prepare throughput --workloads synthetic --users 128 --facts-per-user 50 --k 50 --tails \
+    prepare throughput --workloads synthetic --users "${THROUGHPUT_USERS:-128}" --facts-per-user 50 --k 50 --tails \
       --service-flags "--embedding-threads 8" \
       --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.9 --node-cache-mb 30000 \
 --embed-queries-locally" ;;
@@ -104,7 +104,7 @@ case $stage in
       ${3:+--runs $3} 2>&1 | grep --line-buffered "^run=\|^verdict" | tee "$out/failure-path.txt" ;;
   memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV, the service's defaults
     stop_all
-    python3 -m benchmarks.memory_step --users 16 --facts-per-user 50 --k 50 --callers 1 8 64 128 --duration-s 12 \
+    python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers 1 8 64 128 --duration-s 12 \
       --embeds service caller --model .gpu/smollm2 --service-flags "--embedding-threads 8" \
       --output "$out/memory-step.json" 2>&1 | quiet | grep --line-buffered "^{\||" | tee "$out/memory-step.txt" ;;
   stop)
