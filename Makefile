@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install lint test demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
+.PHONY: install lint test demo bench-memory bench-precompute bench-serve bench-locomo test-load test-fuzz clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test: lint
 # audit, memory sampling); figures in results/load/full.json.
 test-load: install
 	$(PY) -m pytest -m slow -s tests/memory_service/test_load.py
+
+# Fuzzing at scale: generated requests through the real servers, INFERSCALE_FUZZ_EXAMPLES per route (make test runs
+# the same tests with a small budget).
+test-fuzz: install
+	INFERSCALE_FUZZ_EXAMPLES=10000 $(PY) -m pytest -s tests/inference_node/test_node_input.py -k fuzz
 
 demo: install
 	$(PY) -m demo
