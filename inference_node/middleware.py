@@ -250,7 +250,7 @@ class MemoryMiddleware:
             payload = json.loads(body)
         except ValueError as error:
             if body and _declares_json(scope):
-                raise RequestRefused(f"body: not valid JSON ({_short(error)})") from None
+                raise RequestRefused(f"body: not valid JSON ({str(error)[:200]})") from None
             # Not JSON (a form, or no body at all): vLLM reads no load plan from it.
             return scope, _replay(body, receive), send
         refused = strip_client_plans(payload)
@@ -362,10 +362,6 @@ def _declares_json(scope: Scope) -> bool:
     """Whether vLLM would read the body as JSON: a JSON content type, or none."""
     content_type = (_single_header(scope, "content-type") or "").split(";")[0].strip().lower()
     return not content_type or content_type == "application/json" or content_type.endswith("+json")
-
-
-def _short(error: ValueError) -> str:
-    return str(error)[:200]
 
 
 def _request_id(scope: Scope) -> str:

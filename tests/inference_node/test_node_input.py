@@ -226,8 +226,12 @@ json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8)
-user_ids = (st.sampled_from(sorted(SECRETS)) | st.from_regex(ID_PATTERN, fullmatch=True).map(lambda v: v[:140])
-            | st.text(max_size=20) | json_values)
+valid_user_ids = st.sampled_from(sorted(SECRETS)) | st.from_regex(ID_PATTERN, fullmatch=True).map(lambda v: v[:140])
+user_ids = valid_user_ids | st.text(max_size=20) | json_values
+valid_memories = st.fixed_dictionaries(
+    {"user_id": valid_user_ids},
+    optional={"top_k": st.integers(1, 5), "mode": st.sampled_from(MODES), "order": st.sampled_from(sorted(FACT_ORDERS)),
+              "recompute_tail_facts": st.integers(0, 3), "kv_crossover_tokens": st.integers(0, 100)})
 memory_fields = st.fixed_dictionaries(
     {"user_id": user_ids},
     optional={"top_k": st.integers(-2, 250) | json_values, "mode": st.sampled_from([*MODES, "KV", ""]) | json_values,
@@ -235,10 +239,10 @@ memory_fields = st.fixed_dictionaries(
               "recompute_tail_facts": st.integers(-1, 8) | json_values,
               "kv_crossover_tokens": st.integers(-1, 1 << 21) | json_values,
               "topk": json_values, "user": json_values})
-memories = memory_fields | memory_fields | json_values
-# Questions: real ones, blank ones, any text (with the odd lone surrogate escape and NUL).
-questions = (st.sampled_from(["Where do I live?", "What is my parrot called?", "", "   ", "\t\n", "\x00", "\ud800 hi",
-                              "ok \udfff"]) | st.text(max_size=60))
+memories = valid_memories | memory_fields | json_values
+# Questions: real ones, blank ones and lone surrogate escapes, any text.
+questions = (st.sampled_from(["Where do I live?", "What is my parrot called?", "Who am I?"])
+             | st.sampled_from(["", "   ", "\t\n", "\x00", "\ud800 hi", "ok \udfff"]) | st.text(max_size=60))
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": questions | json_values}), max_size=2)
 message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]) | st.text(max_size=6),
                                  "content": questions | parts | json_values})
