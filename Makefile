@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install lint test demo bench-memory bench-precompute bench-serve bench-locomo test-load test-fuzz clean
+.PHONY: install lint test test-fuzz demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,10 @@ test: lint
 test-load: install
 	$(PY) -m pytest -m slow -s tests/memory_service/test_load.py
 
-# Fuzzing at scale: generated requests through the real servers, INFERSCALE_FUZZ_EXAMPLES per route (make test runs
-# the same tests with a small budget).
+# Fuzzing at scale: 10,000 generated requests per OpenAI route carrying `memory` through a real node (`make test`
+# runs 150).
 test-fuzz: install
-	INFERSCALE_FUZZ_EXAMPLES=10000 $(PY) -m pytest -s tests/inference_node/test_node_input.py -k fuzz
+	INFERSCALE_FUZZ_CASES=10000 $(PY) -m pytest -s tests/inference_node/test_node_input.py -k fuzz
 
 demo: install
 	$(PY) -m demo
