@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install lint test demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
+.PHONY: install lint test test-fuzz demo bench-memory bench-precompute bench-serve bench-locomo test-load clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test: lint
 # audit, memory sampling); figures in results/load/full.json.
 test-load: install
 	$(PY) -m pytest -m slow -s tests/memory_service/test_load.py
+
+# Fuzzing at scale: 10,000 generated requests per OpenAI route carrying `memory` through a real node (`make test`
+# runs 150).
+test-fuzz: install
+	INFERSCALE_FUZZ_CASES=10000 $(PY) -m pytest -s tests/inference_node/test_node_input.py -k fuzz
 
 demo: install
 	$(PY) -m demo

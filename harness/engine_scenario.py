@@ -133,6 +133,7 @@ def main(mode: str, args: list[str]) -> None:
     from inferscale_kv.layout import memory_header_ids, memory_header_text
     from inferscale_kv.model_profile import build_model_profile
     from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+    from inferscale_kv.stored_text import StoredTextGuard
 
     if mode == "service":
         memory_service, model_dir, metrics_url, user_id = args[:4]
@@ -201,7 +202,8 @@ def main(mode: str, args: list[str]) -> None:
     vllm_scheduler.schedule = scheduling  # type: ignore[method-assign]
 
     header_ids = memory_header_ids(tokenizer)
-    plan = plan_memory(facts, header_ids, header_content_id, profile.profile_id, user_id)
+    plan = plan_memory(facts, header_ids, header_content_id, profile.profile_id, user_id,
+                       guard=StoredTextGuard.for_tokenizer(tokenizer))
     prompt_of = {question: list(tokenizer.encode(memory_header_text(tokenizer) + plan.block_text + question,
                                                  add_special_tokens=False))
                  for question in (QUESTION, OTHER_QUESTION)}

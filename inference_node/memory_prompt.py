@@ -11,7 +11,8 @@ from typing import Any
 
 from inference_node.plan import LoadPlan, PlanFact, PlanHeader
 from inferscale.v1 import memory_pb2 as pb
-from inferscale_kv.layout import MEMORY_INSTRUCTION, fact_token_ids, memory_header_ids, memory_header_text
+from inferscale_kv.layout import MEMORY_INSTRUCTION, fact_line, fact_token_ids, memory_header_ids, memory_header_text
+from inferscale_kv.stored_text import StoredTextGuard
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,10 @@ def order_facts(facts: list[pb.RetrievedFact],
 
 def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_content_id: str, profile_id: str,
                 user_id: str, key: Callable[[pb.RetrievedFact], Any] = by_rank_descending,
-                recompute_tail_facts: int = 0) -> MemoryPlan:
-    """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order. Without header KV
-    (`header_content_id` empty) nothing can be injected: every fact is text.
+                recompute_tail_facts: int = 0, *, guard: StoredTextGuard) -> MemoryPlan:
+    """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order: each fact's line as
+    the worker tokenized it (`guard`: the node's tokenizer's). Without header KV (`header_content_id` empty) nothing
+    can be injected: every fact is text.
 
     `recompute_tail_facts` = m leaves the last m facts with KV (in the ranked order, the m nearest the question)
     out of the plan: vLLM prefills them after the injected ones, so they attend to the header and every fact
@@ -66,7 +68,7 @@ def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_con
         facts = [pb.RetrievedFact(fact_id=f.fact_id, version=f.version, text=f.text, score=f.score, rank=f.rank,
                                   created_at=f.created_at) for f in facts]
     ordered = order_facts(facts, key)
-    block = "".join(fact.text.strip() + "\n" for fact in ordered)
+    block = "".join(fact_line(guard, fact.text) for fact in ordered)
     injected = [PlanFact(f.fact_id, f.version, f.content_id, tuple(f.token_ids)) for f in ordered if has_kv(f)]
     injected = injected[: max(len(injected) - recompute_tail_facts, 0)]
     plan = LoadPlan(profile_id, user_id, PlanHeader(header_content_id, tuple(header_ids)), tuple(injected))
@@ -98,11 +100,12 @@ class MemoryTokens:
         self._tokenizer = tokenizer
         self.capacity = capacity
         self.header_ids = memory_header_ids(tokenizer)
+        self._guard = StoredTextGuard.for_tokenizer(tokenizer)
         self._facts: OrderedDict[str, list[int]] = OrderedDict()
         header = memory_header_text(tokenizer)
         self.concatenative = all(
-            self._encode(header + first.strip() + "\n" + rest) == [*self.header_ids, *fact_token_ids(tokenizer, first),
-                                                                    *self._encode(rest)]
+            self._encode(header + fact_line(self._guard, first) + rest)
+            == [*self.header_ids, *fact_token_ids(tokenizer, first), *self._encode(rest)]
             for first in _BOUNDARY_SAMPLES for rest in _BOUNDARY_SAMPLES)
 
     def _encode(self, text: str) -> list[int]:
@@ -112,7 +115,8 @@ class MemoryTokens:
         """header | each fact's line | `rest`, as token ids."""
         missing = list(dict.fromkeys(fact.text for fact in facts if fact.text not in self._facts))
         if missing:
-            lines = self._tokenizer([text.strip() + "\n" for text in missing], add_special_tokens=False)["input_ids"]
+            lines = self._tokenizer([fact_line(self._guard, text) for text in missing],
+                                    add_special_tokens=False)["input_ids"]
             self._facts.update(zip(missing, map(list, lines), strict=True))
         ids = list(self.header_ids)
         for fact in facts:

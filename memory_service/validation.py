@@ -16,16 +16,15 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
+from inferscale_kv.ids import ID_PATTERN as _ID_PATTERN
+from inferscale_kv.ids import ID_RULE as _ID_RULE
+from inferscale_kv.ids import MAX_ID_CHARS
 from inferscale_kv.kv_key import header_key
 from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike, kv_profile_id, profile_fields
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
 from memory_service.models import AnnouncedProfile, FactKvRef, KvUpload, NewFact, NewTurn, Query
 
-MAX_ID_CHARS = 128
-# Ids appear in storage filters; this alphabet (no quotes, spaces or separators) keeps them inert there.
-_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/=-]*")
-_ID_RULE = f"1-{MAX_ID_CHARS} characters of letters, digits and ._:@+/=- starting with a letter or digit"
 _CONTENT_ID = re.compile(r"[0-9a-f]{32}")
 
 

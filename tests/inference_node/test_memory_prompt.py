@@ -4,9 +4,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inference_node.memory_prompt import by_creation, plan_memory
 from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.stored_text import StoredTextGuard
 
 HEADER = [1, 2, 3]
 CONTENT = "0" * 32
+GUARD = StoredTextGuard(("<s>", "</s>"))
 
 
 def _fact(fact_id: str, rank: int, created_s: int, kv: bool = True) -> pb.RetrievedFact:
@@ -17,7 +19,7 @@ def _fact(fact_id: str, rank: int, created_s: int, kv: bool = True) -> pb.Retrie
 
 def test_ranked_order_puts_the_best_fact_last_and_facts_without_kv_after_the_rest() -> None:
     facts = [_fact("a", 1, 30), _fact("b", 2, 10), _fact("c", 3, 20, kv=False)]
-    plan = plan_memory(facts, HEADER, CONTENT, "p", "u")
+    plan = plan_memory(facts, HEADER, CONTENT, "p", "u", guard=GUARD)
     assert [f.fact_id for f in plan.facts] == ["b", "a", "c"]
     assert plan.block_text == "fact b\nfact a\nfact c\n"
 
@@ -25,19 +27,20 @@ def test_ranked_order_puts_the_best_fact_last_and_facts_without_kv_after_the_res
 def test_creation_order_is_the_same_whatever_the_ranks_so_prompts_share_a_prefix() -> None:
     first = [_fact("a", 1, 30), _fact("b", 2, 10), _fact("d", 3, 10)]
     second = [_fact("d", 1, 10), _fact("a", 2, 30), _fact("b", 3, 10), _fact("e", 4, 40)]
-    blocks = [plan_memory(facts, HEADER, CONTENT, "p", "u", by_creation).block_text for facts in (first, second)]
+    blocks = [plan_memory(facts, HEADER, CONTENT, "p", "u", by_creation, guard=GUARD).block_text
+              for facts in (first, second)]
     assert blocks[0] == "fact b\nfact d\nfact a\n"  # ties in creation time: by fact id
     assert blocks[1].startswith(blocks[0])
 
 
 def test_a_recomputed_tail_leaves_the_facts_nearest_the_question_out_of_the_plan_only() -> None:
     facts = [_fact(name, rank, 0) for rank, name in enumerate("abcd", start=1)]
-    whole = plan_memory(facts, HEADER, CONTENT, "p", "u")
-    tail = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=2)
+    whole = plan_memory(facts, HEADER, CONTENT, "p", "u", guard=GUARD)
+    tail = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=2, guard=GUARD)
     assert tail.block_text == whole.block_text  # the same prompt
     assert [f.fact_id for f in tail.plan.facts] == ["d", "c"]  # b and a (ranks 2, 1) are prefilled
     assert (tail.kv_facts, tail.injectable_tokens) == (2, len(HEADER) + 4)
-    everything = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=9)
+    everything = plan_memory(facts, HEADER, CONTENT, "p", "u", recompute_tail_facts=9, guard=GUARD)
     assert (everything.kv_facts, everything.injectable_tokens, everything.plan.facts) == (0, len(HEADER), ())
 
 

@@ -17,6 +17,7 @@ from harness.memory_service import MemoryServiceProcess
 from inference_node.memory_prompt import plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
+from inferscale_kv.stored_text import StoredTextGuard
 from tests.conftest import run_worker
 from tests.inference_node.conftest import (
     NODE_FLAGS,
@@ -126,7 +127,8 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many")
+    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many",
+                       guard=StoredTextGuard.for_tokenizer(tokenizer))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     header_ids = memory_header_ids(tokenizer)
@@ -149,7 +151,8 @@ def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node
     tail = complete(node, QUESTION, {**memory, "recompute_tail_facts": 2})
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many")
+    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many",
+                       guard=StoredTextGuard.for_tokenizer(tokenizer))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     injected = [list(f.token_ids) for f in plan.facts[:4]]  # the two facts nearest the question are prefilled
