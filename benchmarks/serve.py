@@ -29,6 +29,8 @@ and cached tokens, the node-cache hit rate (kv) and vLLM's prefix-cache hit rate
 kv/text-stable ratios; with --load-stats also the connector's own time per warm load. Writes results.json (after
 every measurement) and PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights
 and SYNTHETIC fact KV (random, uploaded by the real worker pipeline); every report of such a run says so.
+`--nodes N --routing consistent-hash round-robin` runs the fleet mode instead (benchmarks/fleet.py): N nodes behind
+vLLM's router, kv requests of the synthetic workload's users, the node-cache hit rate and requests per node.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
 from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
+from harness.router import ROUTINGS
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from precompute_worker.progress import wait_for_kv
@@ -502,12 +505,22 @@ def main() -> None:
     parser.add_argument("--node-flags", default="--dtype float32 --max-model-len 4096",
                         help="vLLM flags for the node")
     parser.add_argument("--service-flags", default="", help="memory service flags (e.g. --embedding-threads 4)")
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="fleet mode: this many nodes behind vLLM's router, kv only, synthetic workload "
+                        "(benchmarks/fleet.py)")
+    parser.add_argument("--routing", nargs="+", choices=sorted(ROUTINGS), default=["consistent-hash"],
+                        help="fleet mode: the router's policies, one after the other on the same nodes")
     args = parser.parse_args()
 
     tokenizer_dir = (args.model or build_smollm2()).resolve()
     loads = [f"c{c}" for c in args.concurrency] + [f"r{r:g}" for r in args.rate]
     if not loads:
         parser.error("give at least one --concurrency or --rate")
+    if args.nodes:
+        from benchmarks.fleet import run_fleet
+
+        run_fleet(args, tokenizer_dir, loads)
+        return
     tails = {tail_contender(m): {**CONTENDERS["kv"], "recompute_tail_facts": m} for m in args.tails}
     contenders = {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **tails}
     model_label = (f"{args.shape} shape, DUMMY weights, SYNTHETIC fact KV ({args.kv_dtype})" if args.shape
