@@ -1,12 +1,13 @@
 """The serving benchmark's fleet mode: `python -m benchmarks.serve --nodes N --routing consistent-hash round-robin`.
 
 N inference nodes behind vLLM's router (`harness.router`) share one memory service and its worker. The synthetic
-workload's users ask kv questions through the router, each request naming its user in the header a gateway would set,
-under each routing in turn on the same nodes (a fresh router, then a warm-up, per routing). Each node's cache holds
-FLEET_CACHE_SHARE times its fair share of the users' fact KV (1/N of the users), as a fleet's caches do: no node
-holds every user. Per routing, load and k: the node-cache hit rate of the measured requests (all nodes together),
-query-to-first-token p50/p99 through the router (client clock), each node's requests with the busiest node's over
-the mean, and facts fetched from the memory service per request. Writes <output>/fleet/results.json.
+workload's users ask kv questions through the router in a shuffled order, each request naming its user in the header
+a gateway would set, under each routing in turn on the same nodes (a fresh router, then a warm-up, per routing).
+Each node's cache holds FLEET_CACHE_SHARE times its fair share of the users' fact KV (1/N of the users), as a fleet's
+caches do: no node holds every user. Per routing, load and k: the node-cache hit rate of the measured requests (all
+nodes together), query-to-first-token p50/p99 through the router (client clock), each node's requests with the
+busiest node's over the mean, and facts fetched from the memory service per request. Writes
+<output>/fleet/results.json.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def measure_routing(routing: str, nodes: list[InferenceNodeProcess], workload: W
         for load in loads:
             for k in args.k:
                 jobs = workload.jobs(args.requests, rng)
+                rng.shuffle(jobs)  # users in no fixed order: round robin would otherwise pin user i to node i mod N
                 before = [NodeCounts.read(node) for node in nodes]
                 samples, wall_s = _run_load(
                     lambda job, k=k: one_request(clients[job[0]], model, job[0], job[1], CONTENDERS["kv"], k,
