@@ -36,12 +36,13 @@ vLLM's prefix-cache hit rate (all), with kv/text and kv/text-stable ratios; with
 time per warm load. Prints a line and rewrites results.json after every measurement (a run cut short keeps what it
 measured), and writes PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights and
 SYNTHETIC fact KV (random, uploaded by the real worker pipeline); every report of such a run says so.
+`--nodes N --routing consistent-hash round-robin` runs the fleet mode instead (benchmarks/fleet.py): N nodes behind
+vLLM's router, kv requests of the synthetic workload's users, the node-cache hit rate and requests per node.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -62,20 +63,27 @@ import grpc
 from tqdm import tqdm
 
 from benchmarks.dummy_model import SHAPES, build_dummy_model
-from benchmarks.locomo_data import load_locomo
+from benchmarks.fleet import run_fleet
+from benchmarks.serve_requests import (
+    CONTENDERS,
+    Sample,
+    Workload,
+    arrival_offsets,
+    describe,
+    ingest,
+    locomo_workload,
+    one_request,
+    summarize,
+    synthetic_workload,
+)
 from benchmarks.serve_session import ServerProcess, Session, exclusive
-from benchmarks.stats import percentiles_ms
-from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
 from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
+from harness.router import ROUTINGS
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 
-# contender -> the request's memory field beside user_id and top_k
-CONTENDERS: dict[str, dict] = {"kv": {"mode": "kv", "recompute_tail_facts": 0, "kv_crossover_tokens": 0},
-                               "text": {"mode": "text"}, "text-stable": {"mode": "text", "order": "created"},
-                               "off": {"mode": "off"}}
 # --kv-auto: kv as the node serves it by default, text below the node's crossover (inference_node.crossover)
 KV_AUTO = {"mode": "kv", "recompute_tail_facts": 0}
 WORKLOADS = ("synthetic", "varying", "long", "cold")
@@ -84,148 +92,6 @@ WARM_USERS = 2  # the cold workload's kv-warm contender: users whose KV the node
 
 def tail_contender(m: int) -> str:
     return f"kv-tail{m}"
-
-
-@dataclass
-class Sample:
-    contender: str
-    k: int
-    query_to_first_token_s: float
-    ttft_s: float  # query-to-first-token minus the node's memory step (RetrieveAndStage)
-    tpot_s: float
-    total_s: float
-    prompt_tokens: int
-    cached_tokens: int  # injected by the connector or reused from vLLM's prefix cache
-    memory_lost: str | None = None  # why the answer lacks the memory its contender asked for (None: it has it)
-    memory_step_s: float = 0.0  # the node's RetrieveAndStage, as its x-inferscale-memory reports it
-
-
-def memory_lost(summary: dict, memory: dict, expected_facts: int, cached_tokens: int | None = None) -> str | None:
-    """Why a request came back without the memory its contender asked for, read off the node's x-inferscale-memory
-    summary: the memory dropped (the memory service failed or was late), fewer facts than the user's top-k, or in kv
-    mode facts served as text that the contender wanted injected, or planned for injection but prefilled by vLLM
-    (`cached_tokens`, vLLM's count of prompt tokens it did not compute, below the plan's injectable tokens: the
-    connector fell back). None: the request has its memory as asked."""
-    mode = memory.get("mode", "kv")
-    if mode == "off":
-        return None
-    if summary.get("memory") == "dropped" or summary.get("error"):
-        return summary.get("error") or f"memory dropped ({summary.get('reason')})"
-    facts = summary.get("facts", 0)
-    if facts < expected_facts:
-        return f"{facts} of {expected_facts} facts"
-    if mode == "kv" and summary.get("served_as") != "text":  # kv-auto may serve a memory below the crossover as text
-        if summary.get("header_kv") == "missing":
-            return "no header KV: nothing injected"
-        wanted = max(expected_facts - memory.get("recompute_tail_facts", 0), 0)
-        if summary.get("kv_facts", 0) < wanted:
-            return f"{summary.get('kv_facts', 0)} of {wanted} facts injected"
-        injectable = summary.get("injectable_tokens", 0)
-        if cached_tokens is not None and cached_tokens < injectable:
-            return f"{cached_tokens} of {injectable} injectable tokens loaded (prefilled instead)"
-    return None
-
-
-def one_request(client, model: str, user: str, question: str, memory: dict, k: int, max_tokens: int,
-                contender: str = "", expected_facts: int = 0) -> Sample:
-    """One streamed chat request; `expected_facts`: the facts the user's memory holds for it (min(k, facts))."""
-    started = time.perf_counter()
-    first = None
-    chunks = 0
-    usage = None
-    with client.chat.completions.with_streaming_response.create(
-        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-        extra_body={"memory": {"user_id": user, "top_k": k, **memory}, "ignore_eos": True},
-    ) as response:
-        summary = json.loads(response.headers.get("x-inferscale-memory", "{}"))
-        for chunk in response.parse():
-            if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
-                first = first or time.perf_counter()
-                chunks += 1
-            if chunk.usage:
-                usage = chunk.usage
-    end = time.perf_counter()
-    first = first or end
-    stage_s = summary.get("stage_ms", 0.0) / 1000
-    details = usage.prompt_tokens_details if usage else None
-    generated = usage.completion_tokens if usage else chunks
-    cached = (details.cached_tokens or 0) if details else 0
-    return Sample(contender, k, first - started, first - started - stage_s,
-                  (end - first) / max(generated - 1, 1), end - started, usage.prompt_tokens if usage else 0,
-                  cached, memory_lost(summary, memory, expected_facts, cached if usage else None), stage_s)
-
-
-def summarize(samples: list[Sample], wall_s: float) -> dict:
-    """A contender's figures over the requests that kept their memory; those that lost it are counted apart
-    (`lost_memory`) and never inside a latency, a prompt size or a ratio."""
-    kept = [s for s in samples if s.memory_lost is None]
-    lost = [s.memory_lost for s in samples if s.memory_lost is not None]
-    return {
-        "requests": len(kept),
-        "lost_memory": len(lost),
-        "lost_memory_examples": lost[:3],
-        "query_to_first_token_ms": percentiles_ms([s.query_to_first_token_s for s in kept]),
-        "ttft_ms": percentiles_ms([s.ttft_s for s in kept]),
-        "memory_step_ms": percentiles_ms([s.memory_step_s for s in kept]),
-        "tpot_ms": percentiles_ms([s.tpot_s for s in kept]),
-        "throughput_rps": len(kept) / wall_s if not lost else math.nan,
-        "mean_prompt_tokens": sum(s.prompt_tokens for s in kept) / len(kept) if kept else math.nan,
-        "mean_cached_tokens": sum(s.cached_tokens for s in kept) / len(kept) if kept else math.nan,
-    }
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Per simulated user: the facts to ingest (and turns, for LoCoMo), and the questions they ask."""
-
-    users: list[str]
-    facts: dict[str, list[pb.FactInput]]
-    turns: dict[str, list[pb.Turn]]
-    questions: dict[str, list[str]]
-    source: str
-
-    def jobs(self, count: int, rng: random.Random, users: list[str] | None = None) -> list[tuple[str, str]]:
-        """`count` (user, question) pairs, users round-robin, each user's questions in a shuffled order without
-        repeats until they run out (a repeat would find its whole prompt in vLLM's prefix cache)."""
-        users = users or self.users
-        queues: dict[str, list[str]] = {user: [] for user in users}
-        jobs = []
-        for user in itertools.islice(itertools.cycle(users), count):
-            if not queues[user]:
-                queues[user] = rng.sample(self.questions[user], len(self.questions[user]))
-            jobs.append((user, queues[user].pop()))
-        return jobs
-
-    def warm_up_questions(self, user: str, count: int, seed: int) -> list[str]:
-        """Questions none of the user's measured ones: they bring the user's facts into the node cache without
-        putting a measured prompt into vLLM's prefix cache."""
-        asked = set(self.questions[user])
-        return [q for q in synthetic_queries(count * 4 + 8, seed) if q not in asked][:count]
-
-
-def synthetic_workload(users: int, facts_per_user: int, clauses: int, prefix: str = "bench-user") -> Workload:
-    names = [f"{prefix}-{i}" for i in range(users)]
-    return Workload(
-        names, {user: [pb.FactInput(text=t) for t in synthetic_facts(facts_per_user, 1000 + n, clauses)]
-                for n, user in enumerate(names)},
-        {}, {user: synthetic_queries(32, seed=5 + n) for n, user in enumerate(names)},
-        f"synthetic facts ({clauses} clause(s) each)")
-
-
-def locomo_workload(path: Path, users: int, facts_per_user: int | None) -> Workload:
-    """User i replays LoCoMo conversation i mod 6 (its first `facts_per_user` observations, all when None, and its
-    questions)."""
-    conversations = load_locomo(path)
-    names, facts, turns, questions = [], {}, {}, {}
-    for i in range(users):
-        conversation = conversations[i % len(conversations)]
-        user = f"bench-{conversation.sample_id}-{i}"
-        names.append(user)
-        facts[user] = conversation.facts[:facts_per_user]
-        turns[user] = conversation.turns
-        questions[user] = [q.question for q in conversation.questions]
-    return Workload(names, facts, turns, questions, f"LoCoMo ({path.name}) observations and questions")
 
 
 @dataclass(frozen=True)
@@ -276,15 +142,6 @@ def cold_node_cache_mb(model_dir: Path, kv_dtype: str, workload: Workload, users
     tokens = sum(len(fact_token_ids(tokenizer, fact.text)) for user in workload.users[:users]
                  for fact in workload.facts[user])
     return max(1, math.ceil(1.5 * tokens * shape.elements_per_token() * itemsize / (1 << 20)))
-
-
-def ingest(stub, workload: Workload) -> None:
-    for user in tqdm(workload.users, desc="ingesting users", unit="user"):
-        if workload.turns.get(user):
-            stub.IngestTurns(pb.IngestTurnsRequest(user_id=user, turns=workload.turns[user]))
-        facts = workload.facts[user]
-        for begin in range(0, len(facts), 100):
-            stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=facts[begin : begin + 100]))
 
 
 def plot(results: dict, contenders: list[str], output: Path, title: str) -> list[Path]:
@@ -394,15 +251,6 @@ def connector_phases(stats_path: Path, chunks: int) -> dict | None:
     return {"loads": len(warm), "tokens_p50": statistics.median(load["tokens"] for load in warm),
             **{f"{phase}_p50": statistics.median(load[phase] for load in warm)
                for phase in ("ms", "stage_ms", "compose_ms", "write_ms")}}
-
-
-def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
-    """Open-loop arrival times (s from the start) of a Poisson process at `rate` requests/s."""
-    offsets, now = [], 0.0
-    for _ in range(count):
-        offsets.append(now)
-        now += rng.expovariate(rate)
-    return offsets
 
 
 def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: str, memory: dict, k: int, load: str,
@@ -735,6 +583,11 @@ def main() -> None:
                           help="measure against the servers STATE records (their memories and node as prepared; "
                           "the measurement flags are this call's)")
     sessions.add_argument("--stop", metavar="STATE", default=None, help="stop the servers STATE records")
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="fleet mode: this many nodes behind vLLM's router, kv only, synthetic workload "
+                        "(benchmarks/fleet.py)")
+    parser.add_argument("--routing", nargs="+", choices=sorted(ROUTINGS), default=["consistent-hash"],
+                        help="fleet mode: the router's policies, one after the other on the same nodes")
     args = parser.parse_args()
     args.workloads_given = args.workloads is not None
     args.workloads = args.workloads or ["synthetic"]
@@ -743,11 +596,16 @@ def main() -> None:
             Session.load(Path(args.stop)).stop()
         print(f"stopped the servers of {args.stop}")
         return
+    if args.nodes and (args.prepare or args.attach):
+        parser.error("--nodes: the fleet mode starts its own servers (no --prepare or --attach)")
     session = _attach(args, parser) if args.attach else None
 
     loads = [f"c{c}" for c in args.concurrency] + [f"r{r:g}" for r in args.rate]
     if not loads and not args.prepare:
         parser.error("give at least one --concurrency or --rate")
+    if args.nodes:
+        run_fleet(args, (args.model or build_smollm2()).resolve(), loads)
+        return
     plans = plan_workloads(args)
     contenders = plan_contenders(args, plans)
     if args.prepare:
@@ -835,10 +693,6 @@ def engine_breakdown(row: dict, off: dict) -> str:
     rest = parts["engine_ttft_ms"] - parts["engine_queue_ms"] - parts["engine_prefill_ms"]
     return (f"engine TTFT {parts['engine_ttft_ms']:+.1f} ms = queue {parts['engine_queue_ms']:+.1f} + prefill "
             f"{parts['engine_prefill_ms']:+.1f} + rest {rest:+.1f}")
-
-
-def describe(load: str) -> str:
-    return f"closed loop, {load[1:]} in flight" if load.startswith("c") else f"open loop, {load[1:]} requests/s"
 
 
 def ratio(kv: float, text: float) -> str:

@@ -11,17 +11,12 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.dummy_model import build_dummy_model
-from benchmarks.serve import (
+from benchmarks.serve import cold_node_cache_mb, connector_phases, engine_ttft_ms, hit_rate, parse_counters, report
+from benchmarks.serve_requests import (
     Sample,
     arrival_offsets,
-    cold_node_cache_mb,
-    connector_phases,
-    engine_ttft_ms,
-    hit_rate,
     locomo_workload,
     memory_lost,
-    parse_counters,
-    report,
     summarize,
     synthetic_workload,
 )

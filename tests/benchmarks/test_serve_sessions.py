@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serve import (
-    CONTENDERS,
     KV_AUTO,
     WorkloadPlan,
     _attach,
@@ -21,8 +20,8 @@ from benchmarks.serve import (
     contender_users,
     isolation_namespaces,
     plan_contenders,
-    synthetic_workload,
 )
+from benchmarks.serve_requests import CONTENDERS, synthetic_workload
 from benchmarks.serve_session import ServerProcess, Session
 
 REPO = Path(__file__).resolve().parents[2]
