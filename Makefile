@@ -35,9 +35,11 @@ test: lint
 test-load: install
 	$(PY) -m pytest -m slow -s tests/memory_service/test_load.py
 
-# Fuzzing at scale: 10,000 generated calls per gRPC RPC through a real memory service (`make test` runs a few dozen).
+# Fuzzing at scale: 10,000 generated calls per gRPC RPC through a real memory service and 10,000 generated requests
+# per OpenAI route carrying `memory` through a real node (`make test` runs a few dozen and 150).
 test-fuzz: install
 	INFERSCALE_FUZZ_CASES=10000 $(PY) -m pytest -s tests/memory_service/test_fuzz.py
+	INFERSCALE_FUZZ_CASES=10000 $(PY) -m pytest -s tests/inference_node/test_node_input.py -k fuzz
 
 demo: install
 	$(PY) -m demo

@@ -1,62 +1,113 @@
 #!/usr/bin/env bash
-# The GPU runs (lent device, its own vLLM), after the carry parts are unpacked (../shared/device/README.md):
-#   bash benchmarks/device_run.sh OUT_DIR failure      # refused loads recompute to the text answer (per runner)
-#   bash benchmarks/device_run.sh OUT_DIR latency      # k sweep at concurrency 1: kv (always injects), text,
-#     text-stable, off, kv-tail1, the node embedding queries on the GPU (--embed-queries-locally); the kv crossover is
-#     drawn from it and recorded in inference_node/kv_crossover.json
-#   bash benchmarks/device_run.sh OUT_DIR connector    # the connector's own time per load (--load-stats synchronizes
-#     the device at each phase, which slows kv: never in a run whose TTFTs are compared)
-#   bash benchmarks/device_run.sh OUT_DIR policy       # the same sweep with kv-auto (the node's crossover policy, read
-#     from the table: commit the latency stage's table first) and the memory service embedding queries
-#   bash benchmarks/device_run.sh OUT_DIR throughput   # 128 users with their own memories, 128 in flight, k=50
-#   bash benchmarks/device_run.sh OUT_DIR cold         # more users' KV than the node cache holds, 16 in flight
-# Needs, carried beside the tree: build/generated (the gRPC modules) and .gpu/smollm2 (tokenizer files).
+# The GPU runs on the lent device, one stage per device call, after the carry parts are unpacked
+# (../shared/device/README.md; carry build/generated and .gpu/smollm2, the tokenizer). A call may run 10 minutes and
+# a warm machine keeps files, and the processes started in their own session, so a prepare stage starts the memory
+# service, KV worker and node in their own session, gives the users their memories, warms them up and records it all
+# under /tmp/inferscale-bench/<servers>/ (state.json: pids, ports, logs, phases done); the measuring stages attach to
+# those servers and measure one workload each, every measurement written to OUT as it finishes. A prepare cut at the
+# limit resumes where it stopped when run again; a measuring stage that finds its servers gone says so (exit 4; exit 3
+# is serve's: requests lost their memory).
+#
+#   bash benchmarks/device_run.sh OUT prepare-latency     # 4 users x 60 facts (k sweep) + 4 long users, node for both
+#   bash benchmarks/device_run.sh OUT latency             # k = 1 2 5 10 20 50, 1 in flight; then the crossover
+#   bash benchmarks/device_run.sh OUT long                # ~6,500 memory tokens: 1 in flight, then 32 in flight
+#   bash benchmarks/device_run.sh OUT prepare-throughput  # 128 users x 50 facts ($THROUGHPUT_USERS), node cache for them
+#   bash benchmarks/device_run.sh OUT throughput          # 128 in flight, each request the user's whole memory
+#   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts
+#   bash benchmarks/device_run.sh OUT prepare-cold        # 64 users' KV against a node cache for two
+#   bash benchmarks/device_run.sh OUT cold                # 16 in flight; kv-warm: two users whose KV is cached
+#   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
+#   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding
+#   bash benchmarks/device_run.sh OUT stop                # stops every prepared server
+#
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
-# The kv contender always injects, so the sweep measures where injection starts to win; kv-auto follows the node's policy.
+# Contenders kv (always injects), kv-auto (the node's crossover policy, where its users fit), text, text-stable, off.
 set -euo pipefail
-out=${1:?usage: device_run.sh OUT_DIR failure|latency|connector|policy|throughput|cold}
-stage=${2:?usage: device_run.sh OUT_DIR failure|latency|connector|policy|throughput|cold}
+usage="usage: device_run.sh OUT_DIR prepare-latency|latency|long|prepare-throughput|throughput|varying|prepare-cold|cold|failure [RUNS]|memory-step|stop"
+out=${1:?$usage}
+stage=${2:?$usage}
+root=${INFERSCALE_BENCH_DIR:-/tmp/inferscale-bench}  # the prepared servers: state, data, logs
 export PYTHONPATH=/tmp/site:$PWD:$PWD/build/generated PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \
   VLLM_WORKER_MULTIPROC_METHOD=spawn HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+mkdir -p "$out" "$root"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 # NVML's Python binding (the node's budget check, the workers' reports), carried as a wheel in .gpu/wheels.
-python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/site .gpu/wheels/*.whl
-python3 -c "from inferscale_kv.device_telemetry import read_device; print('NVML reading:', read_device())"
+if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
+  python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/site .gpu/wheels/*.whl
+fi
 common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clauses 2 --max-tokens 32)
-node="--dtype bfloat16 --max-model-len 4096"
-sweep=(--k 1 2 5 10 20 50 --users 4 --facts-per-user 60 --requests 12 --concurrency 1)
-# A run cut short by the device's time limit leaves its servers behind, holding the GPU: stop them first.
-pkill -9 -f "^VLLM::|python3? -m (vllm\.entrypoints|inference_node|memory_service|benchmarks\.synthetic_worker|benchmarks\.serve)( |$)" \
-  2>/dev/null || true
+contenders=(--kv-auto --tails)
 quiet() { grep --line-buffered -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
+serve() { python3 -m benchmarks.serve "$@" 2>&1 | quiet; }
+stop_all() {  # every prepared session, through its state file (their pids): the GPU is free after
+  for state in "$root"/*/state.json; do
+    [ -e "$state" ] && python3 -m benchmarks.serve --stop "$state" && rm -f "$state"
+  done
+  return 0
+}
+prepare() {  # servers NAME [serve flags]: stops other servers, then prepares (or resumes) these in their own session
+  local name=$1; shift
+  for state in "$root"/*/state.json; do  # the other sessions' servers and data go: the disk holds one at a time
+    [ -e "$state" ] && [ "$state" != "$root/$name/state.json" ] && python3 -m benchmarks.serve --stop "$state" \
+      && rm -rf "$(dirname "$state")"
+  done
+  setsid -w python3 -m benchmarks.serve --prepare "$root/$name/state.json" "${common[@]}" "$@" 2>&1 | quiet \
+    | tee -a "$out/prepare-$name.txt"
+}
+attach() {  # servers NAME OUTPUT [serve flags]
+  local name=$1 output=$2; shift 2
+  set +e
+  serve --attach "$root/$name/state.json" --output "$out/$output" "$@" | tee "$out/$output.txt"
+  local status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ] && grep -q "rerun the prepare stage\|no prepared servers" "$out/$output.txt"; then
+    echo "device_run: the $name servers are gone: run the prepare-$name stage again" >&2
+    exit 4
+  fi
+  return "$status"
+}
+latency_node="--dtype bfloat16 --max-model-len 8192 --gpu-memory-utilization 0.7 --node-cache-mb 16384 \
+--embed-queries-locally"
 case $stage in
-  failure)
-    python3 -m benchmarks.gpu_failure_path "$out/failure-path" default-async v1-async 2>&1 \
-      | grep "^run=" | tee "$out/failure-path.txt" ;;
+  prepare-latency)
+    prepare latency --workloads synthetic long --users 4 --facts-per-user 60 --long-users 4 --k 50 "${contenders[@]}" \
+      --service-flags "--embedding-threads 8 --kv-host-budget-mb 24000" --node-flags "$latency_node" ;;
   latency)
-    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails 1 --output "$out/serve-latency" \
-      --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192 --embed-queries-locally" \
-      2>&1 | quiet | tee "$out/serve-latency.txt"
+    attach latency serve-latency --workloads synthetic --k 1 2 5 10 20 50 --requests 12 --concurrency 1 \
+      "${contenders[@]}"
     python3 -m benchmarks.crossover "$out/serve-latency/results.json" --shape llama3-8b --model .gpu/smollm2 \
       --dtype bfloat16 --write 2>&1 | tail -2 | tee "$out/crossover.txt"
     cp inference_node/kv_crossover.json "$out/" ;;
-  connector)
-    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails --load-stats --output "$out/serve-connector" \
-      --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192" 2>&1 | quiet \
-      | tee "$out/serve-connector.txt" ;;
-  policy)
-    python3 -m benchmarks.serve "${common[@]}" "${sweep[@]}" --tails --kv-auto --output "$out/serve-policy" \
-      --node-flags "$node --gpu-memory-utilization 0.6 --node-cache-mb 8192" 2>&1 | quiet \
-      | tee "$out/serve-policy.txt" ;;
+  long)
+    attach latency serve-long --workloads long --requests 8 --concurrency 1 "${contenders[@]}"
+    attach latency serve-long-c32 --workloads long --requests 64 --concurrency 32 "${contenders[@]}" ;;
+  prepare-throughput)  # no kv-auto: its users would need a second copy of every memory (kv-auto is kv at k=50)
+    # The memory service's host cache and the node's RetrieveAndStage deadline at their defaults: the memory step
+    # must keep every memory as shipped.
+    prepare throughput --workloads synthetic --users "${THROUGHPUT_USERS:-128}" --facts-per-user 50 --k 50 --tails \
+      --service-flags "--embedding-threads 8" \
+      --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.9 --node-cache-mb 30000 \
+--embed-queries-locally" ;;
   throughput)
-    python3 -m benchmarks.serve "${common[@]}" --k 50 --tails --users 128 --facts-per-user 50 --requests 256 \
-      --concurrency 128 --output "$out/serve-throughput" \
+    attach throughput serve-throughput --workloads synthetic --k 50 --requests 256 --concurrency 128 --tails ;;
+  varying)
+    attach throughput serve-varying --workloads synthetic --k 10 20 --requests 256 --concurrency 128 --tails ;;
+  prepare-cold)
+    prepare cold --workloads cold --cold-users 64 --cold-k 50 --facts-per-user 50 --tails \
       --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
-      --node-flags "$node --gpu-memory-utilization 0.9 --node-cache-mb 30000" 2>&1 | quiet \
-      | tee "$out/serve-throughput.txt" ;;
+      --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --embed-queries-locally" ;;
   cold)
-    python3 -m benchmarks.serve "${common[@]}" --workloads cold --cold-users 64 --cold-k 50 --tails \
-      --requests 64 --concurrency 16 --output "$out/serve-cold" --service-flags "--embedding-threads 8" \
-      --node-flags "$node --gpu-memory-utilization 0.6" 2>&1 | quiet | tee "$out/serve-cold.txt" ;;
-  *) echo "unknown stage: $stage" >&2; exit 2 ;;
+    attach cold serve-cold --workloads cold --requests 64 --concurrency 16 --tails ;;
+  failure)
+    stop_all  # the scenario starts engines of its own
+    python3 -m benchmarks.gpu_failure_path --output "$out/failure-path" --work "$root/failure" \
+      ${3:+--runs $3} 2>&1 | grep --line-buffered "^run=\|^verdict" | tee "$out/failure-path.txt" ;;
+  memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV, the service's defaults
+    stop_all
+    python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers 1 8 64 128 --duration-s 12 \
+      --embeds service caller --model .gpu/smollm2 --service-flags "--embedding-threads 8" \
+      --output "$out/memory-step.json" 2>&1 | quiet | grep --line-buffered "^{\||" | tee "$out/memory-step.txt" ;;
+  stop)
+    stop_all ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac

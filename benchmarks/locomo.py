@@ -167,6 +167,7 @@ class Evaluator:
         from inference_node.settings import NodeSettings
         from inferscale_kv.layout import memory_header_ids
         from inferscale_kv.rope import RotaryTables
+        from inferscale_kv.shape import KvShape
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -175,7 +176,8 @@ class Evaluator:
         self.cos, self.sin = tables.cos, tables.sin
         settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
                                 fetch_timeout_s=120.0)
-        self.stager = KvStager(NodeKvCache(), kv_source(settings, self.model.config))
+        self.stager = KvStager(NodeKvCache(), kv_source(settings, self.model.config),
+                               KvShape.from_config(self.model.config))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
@@ -184,8 +186,10 @@ class Evaluator:
         """The node's prompt (its middleware's memory block and load plan) with the facts in `order_key` order and
         the last `tail` of them left to prefill."""
         from inference_node.memory_prompt import plan_memory, system_content
+        from inferscale_kv.stored_text import StoredTextGuard
 
-        plan = plan_memory(facts, self.header_ids, header_content_id, profile_id, user_id, order_key, tail)
+        plan = plan_memory(facts, self.header_ids, header_content_id, profile_id, user_id, order_key, tail,
+                           guard=StoredTextGuard.for_tokenizer(self.tokenizer))
         messages = [{"role": "system", "content": system_content(plan.block_text, "")},
                     {"role": "user", "content": f"{ANSWER_INSTRUCTION}\n{question}"}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -202,9 +206,9 @@ class Evaluator:
         end, chunks = proof.end, proof.chunks
         if not end:
             raise LookupError("the connector would claim nothing of this prompt")
-        staged = self.stager.stage(user_id, chunks, torch.device("cpu"), torch.float32, None, may_fetch=True)
+        self.stager.fetch(user_id, chunks, torch.device("cpu"), torch.float32, None)
         slices = [ChunkSlice(e.keys, e.values, 0, min(len(c.token_ids), end - c.offset))
-                  for c, e in zip(chunks, staged.entries, strict=True) if c.offset < end]
+                  for c, e in zip(chunks, self.stager.resident(chunks), strict=True) if c.offset < end]
         layers = self.model.config.num_hidden_layers
         keys, values = compose_prefix(slices, 0, self.cos, self.sin, layers, fused=False)
         cache = DynamicCache()

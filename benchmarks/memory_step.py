@@ -2,16 +2,18 @@
 concurrent callers against a real memory service holding Llama-3-8B-sized fact KV.
 
     python -m benchmarks.memory_step [--users 16] [--facts-per-user 50] [--k 50] [--callers 1 8 64]
-        [--duration-s 15] [--kv-host-budget-mb 1024] [--caller-embeds] [--fetch]
+        [--duration-s 15] [--kv-host-budget-mb 1024] [--embeds service caller] [--fetch]
 
 Starts a memory service, gives each user `--facts-per-user` facts, has the synthetic worker compute their KV at the
 `--shape` (random bf16 KV of Llama-3-8B's shape by default: ~4.4 MiB per fact of 2 clauses), then, for each number
 of callers, runs a closed loop of RetrieveAndStage calls at top_k=k with the exact KvProfile a node of that shape
-announces, each call for a random user and question. A call keeps its memory when it answers with k facts whose KV
-is ready; one that does not is counted apart (never in the latency figures). With `--fetch` every call is followed
-by the FetchKv of its facts, as a node whose cache lacks them would make. Reports calls/s, p50/p99 and the KV work
-per call read off the service's metrics (KV bytes read by source, durable-tier lookups). `--service-source DIR`
-runs the service from another checkout (the same benchmark before and after a change).
+announces, each call for a random user and question, with the query's text (the service embeds it) or its vector
+(embedded beforehand, as a node with --embed-queries-locally sends it: `--embeds caller`). A call keeps its memory
+when it answers with k facts whose KV is ready; one that does not is counted apart (never in the latency figures).
+With `--fetch` every call is followed by the FetchKv of its facts, as a node whose cache lacks them would make.
+Reports calls/s, p50/p99 and the KV work per call read off the service's metrics (KV bytes read by source,
+durable-tier lookups). `--service-source DIR` runs the service from another checkout (the same benchmark before and
+after a change).
 """
 
 from __future__ import annotations
@@ -59,23 +61,29 @@ WORK_COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
 @dataclass
 class PhaseResult:
     callers: int
+    embeds: str = "service"
     calls: int = 0
     kept: int = 0
     lost: list[str] = field(default_factory=list)
-    latencies_ms: list[float] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)  # RetrieveAndStage, of the calls that kept their memory
+    fetch_latencies_ms: list[float] = field(default_factory=list)  # the FetchKv after it (--fetch)
     wall_s: float = 0.0
     work: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         ordered = sorted(self.latencies_ms)
 
-        def quantile(q: float) -> float | None:
-            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+        def quantile(q: float, values: list[float] = ordered) -> float | None:
+            return round(values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
+
+        fetches = sorted(self.fetch_latencies_ms)
 
         per_call = {name: round(value / self.calls, 1) if self.calls else None for name, value in self.work.items()}
-        return {"callers": self.callers, "calls": self.calls, "calls_per_s": round(self.calls / self.wall_s, 1),
+        return {"embeds": self.embeds, "callers": self.callers, "calls": self.calls,
+                "calls_per_s": round(self.calls / self.wall_s, 1),
                 "p50_ms": quantile(0.5), "p99_ms": quantile(0.99),
                 "mean_ms": round(statistics.fmean(ordered), 2) if ordered else None,
+                "fetch_p50_ms": quantile(0.5, fetches), "fetch_p99_ms": quantile(0.99, fetches),
                 "kept_memory": self.kept, "lost_memory": len(self.lost), "lost_examples": self.lost[:3],
                 "work_per_call": per_call}
 
@@ -116,13 +124,15 @@ async def closed_loop(stub: memory_pb2_grpc.MemoryServiceStub, requests: list[pb
             started = time.perf_counter()
             try:
                 response = await stub.RetrieveAndStage(request, timeout=timeout_s)
+                elapsed_ms = (time.perf_counter() - started) * 1000
                 if fetch:
+                    fetch_started = time.perf_counter()
                     await fetch_facts(stub, request, response)
+                    result.fetch_latencies_ms.append((time.perf_counter() - fetch_started) * 1000)
             except grpc.aio.AioRpcError as error:
                 result.calls += 1
                 result.lost.append(f"{request.user_id}: {error.code().name}")
                 continue
-            elapsed_ms = (time.perf_counter() - started) * 1000
             result.calls += 1
             ready = sum(1 for fact in response.facts if fact.kv_ready)
             if len(response.facts) == k and ready == k and response.header_content_id:
@@ -211,8 +221,11 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="bfloat16")
     parser.add_argument("--kv-host-budget-mb", type=int, default=None,
                         help="the service's --kv-host-budget-mb (default: the service's default)")
-    parser.add_argument("--caller-embeds", action="store_true",
-                        help="send query vectors embedded beforehand (a node with --embed-queries-locally)")
+    parser.add_argument("--embeds", nargs="+", choices=("service", "caller"), default=["service"],
+                        help="who embeds the queries: the service (text sent), the caller (vectors sent, as a node "
+                        "with --embed-queries-locally)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the tokenizer's model folder (default: SmolLM2-135M-Instruct, converted once)")
     parser.add_argument("--fetch", action="store_true", help="follow every call with the FetchKv of its facts")
     parser.add_argument("--service-flags", default="", help="more flags for the memory service")
     parser.add_argument("--service-source", type=Path, default=None,
@@ -220,7 +233,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "memory_step.json")
     args = parser.parse_args()
 
-    tokenizer_dir = build_smollm2(REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
+    tokenizer_dir = args.model or build_smollm2(REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
     from transformers import AutoTokenizer
 
     users = [f"step-user-{index:03d}" for index in range(args.users)]
@@ -241,36 +254,41 @@ def main() -> None:
         service.start()
         try:
             populate(service, model_dir, users, args.facts_per_user, args.fact_clauses, args.kv_dtype, env)
-            vectors, model_id = query_vectors(questions) if args.caller_embeds else ([], "")
-            requests = retrieval_requests(users, questions, pb.KvProfile(**profile.as_dict()), args.k, vectors,
-                                          model_id)
+            kv_profile = pb.KvProfile(**profile.as_dict())
+            requests = {"service": retrieval_requests(users, questions, kv_profile, args.k, [], "")}
+            if "caller" in args.embeds:
+                requests["caller"] = retrieval_requests(users, questions, kv_profile, args.k,
+                                                        *query_vectors(questions))
 
             async def run_phases() -> None:
                 async with grpc.aio.insecure_channel(service.address,
                                                      options=[("grpc.max_receive_message_length", 256 << 20)]
                                                      ) as channel:
                     stub = memory_pb2_grpc.MemoryServiceStub(channel)
-                    await closed_loop(stub, requests, 4, 3.0, args.k, args.fetch, seed=0)  # warm-up, not reported
-                    for callers in args.callers:
-                        before = service_counters(service.metrics_port)
-                        phase = await closed_loop(stub, requests, callers, args.duration_s, args.k, args.fetch,
-                                                  seed=callers)
-                        after = service_counters(service.metrics_port)
-                        phase.work = {name: after[name] - before[name] for name in before}
-                        summary = phase.summary()
-                        results["phases"].append(summary)
-                        args.output.write_text(json.dumps(results, indent=2))
-                        print(json.dumps(summary))
+                    for embeds in args.embeds:
+                        await closed_loop(stub, requests[embeds], 4, 3.0, args.k, args.fetch, seed=0)  # warm-up
+                        for callers in args.callers:
+                            before = service_counters(service.metrics_port)
+                            phase = await closed_loop(stub, requests[embeds], callers, args.duration_s, args.k,
+                                                      args.fetch, seed=callers)
+                            after = service_counters(service.metrics_port)
+                            phase.embeds = embeds
+                            phase.work = {name: after[name] - before[name] for name in before}
+                            summary = phase.summary()
+                            results["phases"].append(summary)
+                            args.output.write_text(json.dumps(results, indent=2))
+                            print(json.dumps(summary), flush=True)
 
             asyncio.run(run_phases())
         finally:
             service.stop()
-    print("\n| callers | calls/s | p50 ms | p99 ms | kept | lost | durable lookups/call | bytes read/call: durable | "
-          "host |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| embeds | callers | calls/s | p50 ms | p99 ms | kept | lost | durable lookups/call | bytes read/call: "
+          "durable | host |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for phase in results["phases"]:
         work = phase["work_per_call"]
-        print(f"| {phase['callers']} | {phase['calls_per_s']} | {phase['p50_ms']} | {phase['p99_ms']} | "
+        print(f"| {phase['embeds']} | {phase['callers']} | {phase['calls_per_s']} | {phase['p50_ms']} | "
+              f"{phase['p99_ms']} | "
               f"{phase['kept_memory']} | {phase['lost_memory']} | {work['durable_lookups']} | "
               f"{work['durable_bytes_read']} | {work['host_bytes_read']} |")
     print(f"\nwritten: {args.output}")

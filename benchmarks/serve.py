@@ -4,6 +4,9 @@ the OpenAI API.
     python -m benchmarks.serve [--workloads synthetic varying long cold] [--k 10 50] [--tails 1 2 5 10]
     python -m benchmarks.serve --locomo ../shared/data/locomo/locomo-dev6.json      # LoCoMo facts and questions
     python -m benchmarks.serve --shape llama3-8b --kv-dtype bfloat16 --node-flags "..."     # GPU speed run
+    python -m benchmarks.serve --prepare STATE [workload flags]   # servers up, memories in and warm; left running
+    python -m benchmarks.serve --attach STATE [measurement flags] # measure against them (benchmarks/device_run.sh)
+    python -m benchmarks.serve --stop STATE
 
 Contenders (each request's `memory` field; same users, same questions, interleaved per k):
 - kv: the retrieved facts' KV injected (best fact last), all of them (whatever the node's default tail);
@@ -14,56 +17,73 @@ Contenders (each request's `memory` field; same users, same questions, interleav
 - kv-auto (--kv-auto): kv under the node's crossover policy (memories shorter than its crossover served as text;
   `kv` always injects);
 - kv-tail<m> (--tails): kv with the m facts nearest the question prefilled as text (--recompute-tail-facts).
-Workloads, each on its own memory service, worker and node (--workloads):
+A contender that could send the very request another sends (same prompt, same cache salt: kv-auto is kv above the
+node's crossover and text below it; kv-warm is kv) asks for users of its own with the same memories, so that no
+contender finds another's blocks in vLLM's prefix cache (`isolation_namespaces`).
+Workloads, each on its own memory service, worker and node (--workloads; with --prepare, all on one):
 - synthetic: --users users x --facts-per-user synthetic facts, k from --k (or LoCoMo observations with --locomo);
 - varying: k of 10, 20, 50 out of --varying-facts facts per user, so consecutive requests share only part of their
   facts (LoCoMo: every observation of a conversation);
 - long: k=50 facts of --long-clauses clauses each, thousands of memory tokens per request;
-- cold: --cold-users users' KV against a node cache that holds about two users' facts, so kv loads miss and take
-  the async path; kv-warm asks the same of two users whose KV the node cache holds: the difference is a miss's cost.
+- cold: --cold-users users' KV against a node cache that holds about two users' facts, so kv's requests wait for
+  their chunks to be prefetched; kv-warm asks the same of two users whose KV the node cache holds: the difference is
+  a miss's cost.
 Per (workload, load, k, contender): query-to-first-token (client clock: retrieval + staging + compose + engine),
 TTFT (that minus the node's RetrieveAndStage), vLLM's engine TTFT (its histogram's mean) split into vLLM's queue
-time (arrival to first scheduled: an async KV load's round trip lands here) and prefill time (first scheduled to first
-token) with each contender's difference to off, TPOT, throughput, prompt
-and cached tokens, the node-cache hit rate (kv) and vLLM's prefix-cache hit rate (all), with kv/text and
-kv/text-stable ratios; with --load-stats also the connector's own time per warm load. Writes results.json (after
-every measurement) and PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights
-and SYNTHETIC fact KV (random, uploaded by the real worker pipeline); every report of such a run says so.
+time (arrival to first scheduled: a wait for a prefetch lands here) and prefill time (first scheduled to first token)
+with each contender's difference to off, TPOT, throughput, prompt and cached tokens, the node-cache hit rate (kv) and
+vLLM's prefix-cache hit rate (all), with kv/text and kv/text-stable ratios; with --load-stats also the connector's own
+time per warm load. Prints a line and rewrites results.json after every measurement (a run cut short keeps what it
+measured), and writes PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights and
+SYNTHETIC fact KV (random, uploaded by the real worker pipeline); every report of such a run says so.
+`--nodes N --routing consistent-hash round-robin` runs the fleet mode instead (benchmarks/fleet.py): N nodes behind
+vLLM's router, kv requests of the synthetic workload's users, the node-cache hit rate and requests per node.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import grpc
 from tqdm import tqdm
 
 from benchmarks.dummy_model import SHAPES, build_dummy_model
-from benchmarks.locomo_data import load_locomo
-from benchmarks.stats import percentiles_ms
-from benchmarks.synthetic import synthetic_facts, synthetic_queries
+from benchmarks.fleet import run_fleet
+from benchmarks.serve_requests import (
+    CONTENDERS,
+    Sample,
+    Workload,
+    arrival_offsets,
+    describe,
+    ingest,
+    locomo_workload,
+    one_request,
+    summarize,
+    synthetic_workload,
+)
+from benchmarks.serve_session import ServerProcess, Session, exclusive
 from demo.smollm2 import build_smollm2
 from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
+from harness.router import ROUTINGS
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from precompute_worker.progress import wait_for_kv
 
-# contender -> the request's memory field beside user_id and top_k
-CONTENDERS: dict[str, dict] = {"kv": {"mode": "kv", "recompute_tail_facts": 0, "kv_crossover_tokens": 0},
-                               "text": {"mode": "text"}, "text-stable": {"mode": "text", "order": "created"},
-                               "off": {"mode": "off"}}
 # --kv-auto: kv as the node serves it by default, text below the node's crossover (inference_node.crossover)
 KV_AUTO = {"mode": "kv", "recompute_tail_facts": 0}
 WORKLOADS = ("synthetic", "varying", "long", "cold")
@@ -72,140 +92,6 @@ WARM_USERS = 2  # the cold workload's kv-warm contender: users whose KV the node
 
 def tail_contender(m: int) -> str:
     return f"kv-tail{m}"
-
-
-@dataclass
-class Sample:
-    contender: str
-    k: int
-    query_to_first_token_s: float
-    ttft_s: float  # query-to-first-token minus the node's memory step (RetrieveAndStage)
-    tpot_s: float
-    total_s: float
-    prompt_tokens: int
-    cached_tokens: int  # injected by the connector or reused from vLLM's prefix cache
-    memory_lost: str | None = None  # why the answer lacks the memory its contender asked for (None: it has it)
-
-
-def memory_lost(summary: dict, memory: dict, expected_facts: int) -> str | None:
-    """Why a request came back without the memory its contender asked for, read off the node's x-inferscale-memory
-    summary: the memory dropped (the memory service failed or was late), fewer facts than the user's top-k, or in kv
-    mode facts served as text that the contender wanted injected. None: the request has its memory."""
-    mode = memory.get("mode", "kv")
-    if mode == "off":
-        return None
-    if summary.get("memory") == "dropped" or summary.get("error"):
-        return summary.get("error") or f"memory dropped ({summary.get('reason')})"
-    facts = summary.get("facts", 0)
-    if facts < expected_facts:
-        return f"{facts} of {expected_facts} facts"
-    if mode == "kv" and summary.get("served_as") != "text":  # kv-auto may serve a memory below the crossover as text
-        if summary.get("header_kv") == "missing":
-            return "no header KV: nothing injected"
-        wanted = max(expected_facts - memory.get("recompute_tail_facts", 0), 0)
-        if summary.get("kv_facts", 0) < wanted:
-            return f"{summary.get('kv_facts', 0)} of {wanted} facts injected"
-    return None
-
-
-def one_request(client, model: str, user: str, question: str, memory: dict, k: int, max_tokens: int,
-                contender: str = "", expected_facts: int = 0) -> Sample:
-    """One streamed chat request; `expected_facts`: the facts the user's memory holds for it (min(k, facts))."""
-    started = time.perf_counter()
-    first = None
-    chunks = 0
-    usage = None
-    with client.chat.completions.with_streaming_response.create(
-        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-        extra_body={"memory": {"user_id": user, "top_k": k, **memory}, "ignore_eos": True},
-    ) as response:
-        summary = json.loads(response.headers.get("x-inferscale-memory", "{}"))
-        for chunk in response.parse():
-            if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
-                first = first or time.perf_counter()
-                chunks += 1
-            if chunk.usage:
-                usage = chunk.usage
-    end = time.perf_counter()
-    first = first or end
-    stage_s = summary.get("stage_ms", 0.0) / 1000
-    details = usage.prompt_tokens_details if usage else None
-    generated = usage.completion_tokens if usage else chunks
-    return Sample(contender, k, first - started, first - started - stage_s,
-                  (end - first) / max(generated - 1, 1), end - started, usage.prompt_tokens if usage else 0,
-                  (details.cached_tokens or 0) if details else 0, memory_lost(summary, memory, expected_facts))
-
-
-def summarize(samples: list[Sample], wall_s: float) -> dict:
-    """A contender's figures over the requests that kept their memory; those that lost it are counted apart
-    (`lost_memory`) and never inside a latency, a prompt size or a ratio."""
-    kept = [s for s in samples if s.memory_lost is None]
-    lost = [s.memory_lost for s in samples if s.memory_lost is not None]
-    return {
-        "requests": len(kept),
-        "lost_memory": len(lost),
-        "lost_memory_examples": lost[:3],
-        "query_to_first_token_ms": percentiles_ms([s.query_to_first_token_s for s in kept]),
-        "ttft_ms": percentiles_ms([s.ttft_s for s in kept]),
-        "tpot_ms": percentiles_ms([s.tpot_s for s in kept]),
-        "throughput_rps": len(kept) / wall_s if not lost else math.nan,
-        "mean_prompt_tokens": sum(s.prompt_tokens for s in kept) / len(kept) if kept else math.nan,
-        "mean_cached_tokens": sum(s.cached_tokens for s in kept) / len(kept) if kept else math.nan,
-    }
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Per simulated user: the facts to ingest (and turns, for LoCoMo), and the questions they ask."""
-
-    users: list[str]
-    facts: dict[str, list[pb.FactInput]]
-    turns: dict[str, list[pb.Turn]]
-    questions: dict[str, list[str]]
-    source: str
-
-    def jobs(self, count: int, rng: random.Random, users: list[str] | None = None) -> list[tuple[str, str]]:
-        """`count` (user, question) pairs, users round-robin, each user's questions in a shuffled order without
-        repeats until they run out (a repeat would find its whole prompt in vLLM's prefix cache)."""
-        users = users or self.users
-        queues: dict[str, list[str]] = {user: [] for user in users}
-        jobs = []
-        for user in itertools.islice(itertools.cycle(users), count):
-            if not queues[user]:
-                queues[user] = rng.sample(self.questions[user], len(self.questions[user]))
-            jobs.append((user, queues[user].pop()))
-        return jobs
-
-    def warm_up_questions(self, user: str, count: int, seed: int) -> list[str]:
-        """Questions none of the user's measured ones: they bring the user's facts into the node cache without
-        putting a measured prompt into vLLM's prefix cache."""
-        asked = set(self.questions[user])
-        return [q for q in synthetic_queries(count * 4 + 8, seed) if q not in asked][:count]
-
-
-def synthetic_workload(users: int, facts_per_user: int, clauses: int, prefix: str = "bench-user") -> Workload:
-    names = [f"{prefix}-{i}" for i in range(users)]
-    return Workload(
-        names, {user: [pb.FactInput(text=t) for t in synthetic_facts(facts_per_user, 1000 + n, clauses)]
-                for n, user in enumerate(names)},
-        {}, {user: synthetic_queries(32, seed=5 + n) for n, user in enumerate(names)},
-        f"synthetic facts ({clauses} clause(s) each)")
-
-
-def locomo_workload(path: Path, users: int, facts_per_user: int | None) -> Workload:
-    """User i replays LoCoMo conversation i mod 6 (its first `facts_per_user` observations, all when None, and its
-    questions)."""
-    conversations = load_locomo(path)
-    names, facts, turns, questions = [], {}, {}, {}
-    for i in range(users):
-        conversation = conversations[i % len(conversations)]
-        user = f"bench-{conversation.sample_id}-{i}"
-        names.append(user)
-        facts[user] = conversation.facts[:facts_per_user]
-        turns[user] = conversation.turns
-        questions[user] = [q.question for q in conversation.questions]
-    return Workload(names, facts, turns, questions, f"LoCoMo ({path.name}) observations and questions")
 
 
 @dataclass(frozen=True)
@@ -256,15 +142,6 @@ def cold_node_cache_mb(model_dir: Path, kv_dtype: str, workload: Workload, users
     tokens = sum(len(fact_token_ids(tokenizer, fact.text)) for user in workload.users[:users]
                  for fact in workload.facts[user])
     return max(1, math.ceil(1.5 * tokens * shape.elements_per_token() * itemsize / (1 << 20)))
-
-
-def ingest(stub, workload: Workload) -> None:
-    for user in tqdm(workload.users, desc="ingesting users", unit="user"):
-        if workload.turns.get(user):
-            stub.IngestTurns(pb.IngestTurnsRequest(user_id=user, turns=workload.turns[user]))
-        facts = workload.facts[user]
-        for begin in range(0, len(facts), 100):
-            stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=facts[begin : begin + 100]))
 
 
 def plot(results: dict, contenders: list[str], output: Path, title: str) -> list[Path]:
@@ -342,7 +219,8 @@ def node_counters(base_url: str) -> dict[str, float]:
         return parse_counters(response.read().decode())
 
 
-def engine_ttft_ms(before: dict[str, float], after: dict[str, float], histogram: str = "ttft") -> dict[str, float]:
+def engine_ttft_ms(before: Mapping[str, float], after: Mapping[str, float],
+                   histogram: str = "ttft") -> dict[str, float]:
     """vLLM's own TTFT (or another of _VLLM_HISTOGRAMS) over a run, from its histogram's sum and count (mean;
     percentiles need the buckets)."""
     count = after.get(f"{histogram}_count", 0.0) - before.get(f"{histogram}_count", 0.0)
@@ -351,13 +229,13 @@ def engine_ttft_ms(before: dict[str, float], after: dict[str, float], histogram:
     return {"mean": mean, "requests": count}
 
 
-def counter_ratio(before: dict[str, float], after: dict[str, float], hits: str, lookups: str) -> float | None:
+def counter_ratio(before: Mapping[str, float], after: Mapping[str, float], hits: str, lookups: str) -> float | None:
     """hits / lookups over a run, from two counters' deltas (None without lookups)."""
     total = after.get(lookups, 0.0) - before.get(lookups, 0.0)
     return (after.get(hits, 0.0) - before.get(hits, 0.0)) / total if total else None
 
 
-def hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+def hit_rate(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
     return counter_ratio(before, after, "node_cache_hits", "node_cache_lookups")
 
 
@@ -366,21 +244,13 @@ def connector_phases(stats_path: Path, chunks: int) -> dict | None:
     if not stats_path.exists():
         return None
     loads = [json.loads(line) for line in stats_path.read_text().splitlines()]
-    warm = [load for load in loads if load["chunks"] == chunks and not load["node_cache_misses"]]
+    # Records that name node-cache misses (loads that also fetched, as earlier versions wrote) are not warm loads.
+    warm = [load for load in loads if load["chunks"] == chunks and not load.get("node_cache_misses")]
     if not warm:
         return None
     return {"loads": len(warm), "tokens_p50": statistics.median(load["tokens"] for load in warm),
             **{f"{phase}_p50": statistics.median(load[phase] for load in warm)
                for phase in ("ms", "stage_ms", "compose_ms", "write_ms")}}
-
-
-def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
-    """Open-loop arrival times (s from the start) of a Poisson process at `rate` requests/s."""
-    offsets, now = [], 0.0
-    for _ in range(count):
-        offsets.append(now)
-        now += rng.expovariate(rate)
-    return offsets
 
 
 def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: str, memory: dict, k: int, load: str,
@@ -418,92 +288,261 @@ def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: st
     return row
 
 
-def warm_up(client, model: str, plan: WorkloadPlan, users: list[str], max_tokens: int, node_cache: bool,
+def warm_up(client, model: str, plan: WorkloadPlan, users: dict[str, str], max_tokens: int, node_cache: bool,
             compile_paths: bool = True) -> None:
     """Compiles the engine's paths (every contender once) and, with `node_cache`, brings the users' facts into the
-    node cache with questions that are not measured."""
+    node cache with questions that are not measured: one request per user retrieving its whole memory, or, where
+    that is longer than the node serves, requests of the largest k. `users`: each user to warm -> the workload user
+    whose memory it holds."""
+    import openai
+
     k = max(plan.ks)
-    facts = max(len(plan.workload.facts[user]) for user in users)
-    rounds = 2 * math.ceil(facts / k) if node_cache else 0
-    jobs = [(users[0], "warm up", memory) for memory in CONTENDERS.values()] if compile_paths else []
-    jobs += [(user, question, CONTENDERS["kv"]) for n, user in enumerate(users)
-             for question in plan.workload.warm_up_questions(user, rounds, seed=900 + n)]
+
+    def warm(user: str, base: str, seed: int) -> None:
+        facts = len(plan.workload.facts[base])
+        try:
+            (question,) = plan.workload.warm_up_questions(base, 1, seed)
+            one_request(client, model, user, question, CONTENDERS["kv"], facts, max_tokens)
+        except openai.BadRequestError:  # the whole memory does not fit the node's model length
+            for question in plan.workload.warm_up_questions(base, 2 * math.ceil(facts / k), seed):
+                one_request(client, model, user, question, CONTENDERS["kv"], k, max_tokens)
+
     with ThreadPoolExecutor(max_workers=8) as pool:
-        list(tqdm(pool.map(lambda job: one_request(client, model, job[0], job[1], job[2], k, max_tokens), jobs),
-                  total=len(jobs), desc="warm-up", unit="req"))
+        if compile_paths:
+            list(pool.map(lambda memory: one_request(client, model, next(iter(users)), "warm up", memory, k,
+                                                     max_tokens), CONTENDERS.values()))
+        if node_cache:
+            list(tqdm(pool.map(warm, users, users.values(), range(900, 900 + len(users))), total=len(users),
+                      desc="warm-up", unit="user"))
 
 
-def run_workload(plan: WorkloadPlan, args: argparse.Namespace, tokenizer_dir: Path, loads: list[str],
-                 contenders: dict[str, dict], work: Path, on_result) -> dict:
-    """Starts a memory service, a worker and a node for one workload and measures every contender on it."""
+def _served_as(memory: dict) -> set[tuple]:
+    """What a contender's requests can be, as vLLM sees them: the memory's mode as served, its order and tail."""
+    mode, order = memory.get("mode", "kv"), memory.get("order", "ranked")
+    if mode != "kv":
+        return {(mode, order)}
+    injected = {("kv", order, memory.get("recompute_tail_facts", 0))}
+    return injected if memory.get("kv_crossover_tokens") == 0 else injected | {("text", order)}
+
+
+def isolation_namespaces(contenders: dict[str, dict]) -> dict[str, str]:
+    """Contender -> the suffix of its own users, for each contender that could send the very request an earlier one
+    sends (same prompt, same cache salt): kv-auto is kv's request above the node's crossover and text's below it,
+    kv-warm is kv's. Their users hold the same memories under other names, so that no contender's requests find
+    another's blocks in vLLM's prefix cache (injected blocks are salted per plan, prefilled ones per user)."""
+    seen: set[tuple] = set()
+    namespaces = {}
+    for name, memory in contenders.items():
+        forms = _served_as(memory)
+        if forms & seen:
+            namespaces[name] = name
+        seen |= forms
+    return namespaces
+
+
+def contender_users(plan: WorkloadPlan, contender: str, namespaces: dict[str, str]) -> dict[str, str]:
+    """The users `contender` asks for in `plan` (kv-warm: the warm users): workload user -> the user asked."""
+    users = plan.warm_users if contender == "kv-warm" else plan.workload.users
+    suffix = namespaces.get(contender)
+    return {user: f"{user}.{suffix}" if suffix else user for user in users}
+
+
+def plan_contenders(args: argparse.Namespace, plans: list[WorkloadPlan]) -> dict[str, dict]:
+    """The contenders of the run, in the order they run on each (load, k)."""
+    tails = {tail_contender(m): {**CONTENDERS["kv"], "recompute_tail_facts": m} for m in args.tails}
+    cold = any(plan.warm_users for plan in plans)
+    return {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **tails,
+            **({"kv-warm": CONTENDERS["kv"]} if cold else {})}
+
+
+def _memories(plans: list[WorkloadPlan], contenders: dict[str, dict], namespaces: dict[str, str]) -> Workload:
+    """Every user's memory the run needs: each workload's users, and each isolated contender's copies."""
+    users, facts, turns, questions = [], {}, {}, {}
+    for plan in plans:
+        for contender in ["", *(name for name in contenders if name in namespaces or name == "kv-warm")]:
+            for base, user in contender_users(plan, contender, namespaces).items():
+                if user not in facts:
+                    users.append(user)
+                    facts[user] = plan.workload.facts[base]
+                    turns[user] = plan.workload.turns.get(base, [])
+                    questions[user] = plan.workload.questions[base]
+    return Workload(users, facts, turns, questions, "every workload of the run")
+
+
+def _elapsed(started: float) -> str:
+    return f"{time.monotonic() - started:.0f} s"
+
+
+def prepare(session: Session, plans: list[WorkloadPlan], args: argparse.Namespace, tokenizer_dir: Path,
+            contenders: dict[str, dict], namespaces: dict[str, str]) -> None:
+    """Brings `session` to servers that serve every plan's users with their memories warm: starts what is not
+    running, skips the phases done (a prepare cut short resumes), saving the session after each step."""
+    started, work = time.monotonic(), Path(session.work_dir)
     synthetic = args.shape is not None
     model_dir = (build_dummy_model(work / args.shape, args.shape, tokenizer_dir, args.kv_dtype) if synthetic
                  else tokenizer_dir)
-    stats_path = work / "loads.jsonl"
-    node_flags = [*args.node_flags.split(), "--kv-dtype", args.kv_dtype, *plan.node_flags]
-    if synthetic:
-        node_flags += ["--load-format", "dummy"]
-    if args.load_stats:
-        node_flags += ["--load-stats-path", str(stats_path)]
-    cache_mb = None
-    if plan.warm_users:
-        cache_mb = cold_node_cache_mb(model_dir, args.kv_dtype, plan.workload, len(plan.warm_users))
-        node_flags += ["--node-cache-mb", str(cache_mb)]
-    outcome: dict = {"results": {}, "node_cache_mb": cache_mb, "source": plan.workload.source}
-    service = MemoryServiceProcess(work / "data", work / "memory_service.log", *args.service_flags.split()).start()
-    node = None
-    try:
-        with service.channel() as channel:
-            stub = memory_pb2_grpc.MemoryServiceStub(channel)
-            ingest(stub, plan.workload)
-            worker_module = "benchmarks.synthetic_worker" if synthetic else "precompute_worker"
-            worker = subprocess.Popen([sys.executable, "-m", worker_module, "--memory-service", service.address,
-                                       "--model", str(model_dir), "--dtype", args.kv_dtype, "--exit-when-idle"],
-                                      stdout=subprocess.DEVNULL, stderr=(work / "worker.log").open("wb"))
-            wait_for_kv(stub, sum(len(facts) for facts in plan.workload.facts.values()), worker)
-            worker.wait(timeout=600)
-        print(f"starting the inference node for the {plan.name} workload ...", flush=True)
-        node = InferenceNodeProcess(service.address, model_dir, work / "node", *node_flags).start()
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"{node.base_url}/v1", api_key="bench", timeout=600)
-        warm_up(client, str(model_dir), plan, plan.workload.users, args.max_tokens, plan.warm_node_cache)
-        stats_path.unlink(missing_ok=True)
-        rng = random.Random(5)
-        names = [*contenders, *(["kv-warm"] if plan.warm_users else [])]
-        with tqdm(total=len(loads) * len(names) * len(plan.ks) * args.requests, desc=f"{plan.name} requests",
-                  unit="req") as progress:
-            for load in loads:
-                for k in plan.ks:
-                    jobs = plan.workload.jobs(args.requests, rng)
-                    for contender, memory in contenders.items():  # same questions, one after the other
-                        row = run_contender(client, str(model_dir), jobs, contender, memory, k, load,
-                                            args.max_tokens, node.base_url, plan.workload.facts)
-                        outcome["results"].setdefault(load, {})
-                        outcome["results"][load].setdefault(contender, {})[str(k)] = row
-                        progress.update(len(jobs))
-                        on_result()
-                    if plan.warm_users:  # the same requests' shape, against users whose KV the node cache holds
-                        warm_up(client, str(model_dir), plan, plan.warm_users, args.max_tokens, node_cache=True,
-                                compile_paths=False)
-                        warm_jobs = plan.workload.jobs(args.requests, rng, plan.warm_users)
-                        row = run_contender(client, str(model_dir), warm_jobs, "kv-warm", CONTENDERS["kv"], k, load,
-                                            args.max_tokens, node.base_url, plan.workload.facts)
-                        outcome["results"][load].setdefault("kv-warm", {})[str(k)] = row
-                        progress.update(len(warm_jobs))
-                        on_result()
+    session.model_dir = str(model_dir)
+    memories = _memories(plans, contenders, namespaces)
+    if not session.service_healthy():
+        service = MemoryServiceProcess(work / "data", work / "memory_service.log", *args.service_flags.split())
+        try:
+            service.start()
+        except BaseException:  # not recorded yet: stopped here (a prepare stopped meanwhile leaves nothing behind)
+            if service.process is not None:
+                service.stop(signal.SIGKILL)
+            raise
+        session.service = ServerProcess(service.pid, "memory_service", service.address, str(service.log_path))
+        session.service_metrics_port = service.metrics_port
+        session.save()
+        print(f"memory service up at {service.address} (pid {service.pid}), {_elapsed(started)}", flush=True)
+    assert session.service is not None
+    with grpc.insecure_channel(session.service.address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        if "ingest" not in session.done:
+            ingest(stub, memories)
+            session.mark("ingest")
+            print(f"ingested {len(memories.users)} users' facts, {_elapsed(started)}", flush=True)
+        if "kv" not in session.done:
+            _compute_kv(session, stub, sum(len(facts) for facts in memories.facts.values()), args, synthetic)
+            session.mark("kv")
+            print(f"fact KV ready, {_elapsed(started)}", flush=True)
+    if not session.node_healthy():
+        node_flags = [*args.node_flags.split(), "--kv-dtype", args.kv_dtype,
+                      *(flag for plan in plans for flag in plan.node_flags)]
+        if synthetic:
+            node_flags += ["--load-format", "dummy"]
         if args.load_stats:
-            outcome["connector_phases"] = {str(k): connector_phases(stats_path, k + 1) for k in plan.ks}
-    finally:
-        if node is not None:
+            node_flags += ["--load-stats-path", str(work / "loads.jsonl")]
+        cold = [plan for plan in plans if plan.warm_users]
+        if cold:
+            session.node_cache_mb = cold_node_cache_mb(model_dir, args.kv_dtype, cold[0].workload,
+                                                       len(cold[0].warm_users))
+            node_flags += ["--node-cache-mb", str(session.node_cache_mb)]
+        print("starting the inference node ...", flush=True)
+        node = InferenceNodeProcess(session.service.address, model_dir, work / "node", *node_flags)
+        try:
+            node.start()
+        except BaseException:  # not recorded yet: stopped here
             node.stop()
-        service.stop()
+            raise
+        assert node.process is not None
+        session.node = ServerProcess(node.process.pid, "inference_node", node.base_url, str(node.log_path),
+                                     own_session=True)
+        session.save()
+        print(f"inference node up at {node.base_url} (pid {node.process.pid}), {_elapsed(started)}", flush=True)
+    from openai import OpenAI
+
+    assert session.node is not None
+    client = OpenAI(base_url=f"{session.node.address}/v1", api_key="bench", timeout=600)
+    for plan in plans:
+        if f"warm:{plan.name}" not in session.done:
+            users = {user: base for name, memory in contenders.items() if memory["mode"] == "kv" and name != "kv-warm"
+                     for base, user in contender_users(plan, name, namespaces).items()}
+            warm_up(client, session.model_dir, plan, users, args.max_tokens, plan.warm_node_cache)
+            session.mark(f"warm:{plan.name}")
+            print(f"{plan.name}: warmed up, {_elapsed(started)}", flush=True)
+
+
+def _compute_kv(session: Session, stub, total: int, args: argparse.Namespace, synthetic: bool) -> None:
+    """Runs a KV worker (unless the session's is still running) until every fact has KV."""
+    assert session.service is not None
+    if session.worker is None or not session.worker.running():
+        log = Path(session.work_dir) / "worker.log"
+        worker_module = "benchmarks.synthetic_worker" if synthetic else "precompute_worker"
+        worker = subprocess.Popen([sys.executable, "-m", worker_module, "--memory-service", session.service.address,
+                                   "--model", session.model_dir, "--dtype", args.kv_dtype, "--exit-when-idle"],
+                                  stdout=subprocess.DEVNULL, stderr=log.open("ab"))
+        session.worker = ServerProcess(worker.pid, worker_module, log=str(log))
+        session.save()
+    with tqdm(total=total, desc="precomputing fact KV", unit="fact") as progress:
+        while True:
+            done = max((p.done for p in stub.GetStats(pb.GetStatsRequest()).profiles), default=0)
+            progress.update(done - progress.n)
+            if done >= total:
+                return
+            if not session.worker.running():
+                raise SystemExit(f"the KV worker exited with {done} of {total} facts done: see {session.worker.log}")
+            time.sleep(1.0)
+
+
+def measure(session: Session, plan: WorkloadPlan, args: argparse.Namespace, loads: list[str],
+            contenders: dict[str, dict], namespaces: dict[str, str], on_result) -> dict:
+    """Every contender on `plan`'s same questions, one after the other per (load, k); `on_result` after each."""
+    from openai import OpenAI
+
+    assert session.node is not None
+    model, base_url = session.model_dir, session.node.address
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="bench", timeout=600)
+    stats_path = Path(session.work_dir) / "loads.jsonl"
+    stats_path.unlink(missing_ok=True)
+    outcome: dict = {"results": {}, "node_cache_mb": session.node_cache_mb, "source": plan.workload.source,
+                     "isolated": {name: suffix for name, suffix in namespaces.items() if name in contenders}}
+    rng = random.Random(5)
+    contenders = {name: memory for name, memory in contenders.items() if name != "kv-warm" or plan.warm_users}
+    with tqdm(total=len(loads) * len(contenders) * len(plan.ks) * args.requests, desc=f"{plan.name} requests",
+              unit="req") as progress:
+        for load in loads:
+            for k in plan.ks:
+                jobs = plan.workload.jobs(args.requests, rng)
+                for contender, memory in contenders.items():  # same questions, one after the other
+                    rename = contender_users(plan, contender, namespaces)
+                    asked = jobs
+                    if contender == "kv-warm":  # the same requests' shape, against users whose KV the node cache holds
+                        warm_up(client, model, plan, {user: base for base, user in rename.items()}, args.max_tokens,
+                                node_cache=True, compile_paths=False)
+                        asked = plan.workload.jobs(args.requests, rng, plan.warm_users)
+                    row = run_contender(client, model, [(rename[user], question) for user, question in asked],
+                                        contender, memory, k, load, args.max_tokens, base_url,
+                                        {user: plan.workload.facts[base] for base, user in rename.items()})
+                    outcome["results"].setdefault(load, {}).setdefault(contender, {})[str(k)] = row
+                    progress.update(len(asked))
+                    on_result()
+                    print(f"[{plan.name} {describe(load)} k={k}] {contender}: {row['requests']} requests, "
+                          f"query-to-first-token p50 {row['query_to_first_token_ms']['p50']:.1f} ms, engine TTFT "
+                          f"{_fmt(row['engine_ttft_ms']['mean'], '{:.1f}')} ms (queue "
+                          f"{_fmt(row['engine_queue_ms']['mean'], '{:.1f}')}), {row['throughput_rps']:.2f} req/s, "
+                          f"cached {row['mean_cached_tokens']:.0f} of {row['mean_prompt_tokens']:.0f} tokens",
+                          flush=True)
+    if args.load_stats:
+        outcome["connector_phases"] = {str(k): connector_phases(stats_path, k + 1) for k in plan.ks}
     return outcome
+
+
+# What a session's memories and servers are made with: an attached run takes them from the state file.
+SETUP_ARGS = ("workloads", "users", "facts_per_user", "fact_clauses", "locomo", "varying_facts", "long_users",
+              "long_clauses", "long_max_model_len", "cold_users", "model", "shape", "kv_dtype",
+              "load_stats", "node_flags", "service_flags", "max_tokens")
+
+
+def _setup_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()
+            if name in SETUP_ARGS}
+
+
+def _attach(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Session:
+    """The prepared session of --attach, its setup taken into `args`; exits naming what is gone if it is not
+    serving any more."""
+    state = Path(args.attach)
+    if not state.exists():
+        raise SystemExit(f"{state}: no prepared servers (run the prepare stage first)")
+    session = Session.load(state)
+    gone = session.gone()
+    if gone:
+        raise SystemExit("the prepared servers are gone (rerun the prepare stage):\n  " + "\n  ".join(gone))
+    requested = args.workloads if args.workloads_given else session.setup["workloads"]
+    unprepared = [name for name in requested if f"warm:{name}" not in session.done]
+    if unprepared:
+        parser.error(f"--attach: {', '.join(unprepared)} not prepared in {state} ({', '.join(session.done)})")
+    for name, value in session.setup.items():
+        setattr(args, name, Path(value) if name in ("locomo", "model") and value else value)
+    args.workloads = requested
+    return session
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["synthetic"])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None,
+                        help="default: synthetic (with --attach: every prepared workload)")
     parser.add_argument("--k", type=int, nargs="+", default=[5, 10, 20, 50], help="the synthetic workload's k")
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--facts-per-user", type=int, default=60)
@@ -535,16 +574,69 @@ def main() -> None:
     parser.add_argument("--node-flags", default="--dtype float32 --max-model-len 4096",
                         help="vLLM flags for the node")
     parser.add_argument("--service-flags", default="", help="memory service flags (e.g. --embedding-threads 4)")
+    sessions = parser.add_mutually_exclusive_group()
+    sessions.add_argument("--prepare", metavar="STATE", default=None,
+                          help="start the servers of every --workloads, give the users their memories, warm them up, "
+                          "record it all in the state file STATE (its folder holds their data and logs) and leave "
+                          "them running; resumes a prepare cut short")
+    sessions.add_argument("--attach", metavar="STATE", default=None,
+                          help="measure against the servers STATE records (their memories and node as prepared; "
+                          "the measurement flags are this call's)")
+    sessions.add_argument("--stop", metavar="STATE", default=None, help="stop the servers STATE records")
+    parser.add_argument("--nodes", type=int, default=0,
+                        help="fleet mode: this many nodes behind vLLM's router, kv only, synthetic workload "
+                        "(benchmarks/fleet.py)")
+    parser.add_argument("--routing", nargs="+", choices=sorted(ROUTINGS), default=["consistent-hash"],
+                        help="fleet mode: the router's policies, one after the other on the same nodes")
     args = parser.parse_args()
+    args.workloads_given = args.workloads is not None
+    args.workloads = args.workloads or ["synthetic"]
+    if args.stop:
+        if Path(args.stop).exists():
+            Session.load(Path(args.stop)).stop()
+        print(f"stopped the servers of {args.stop}")
+        return
+    if args.nodes and (args.prepare or args.attach):
+        parser.error("--nodes: the fleet mode starts its own servers (no --prepare or --attach)")
+    session = _attach(args, parser) if args.attach else None
 
-    tokenizer_dir = (args.model or build_smollm2()).resolve()
     loads = [f"c{c}" for c in args.concurrency] + [f"r{r:g}" for r in args.rate]
-    if not loads:
+    if not loads and not args.prepare:
         parser.error("give at least one --concurrency or --rate")
-    tails = {tail_contender(m): {**CONTENDERS["kv"], "recompute_tail_facts": m} for m in args.tails}
-    contenders = {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **tails}
+    if args.nodes:
+        run_fleet(args, (args.model or build_smollm2()).resolve(), loads)
+        return
+    plans = plan_workloads(args)
+    contenders = plan_contenders(args, plans)
+    if args.prepare:
+        if len(plans) > 1 and any(plan.warm_users for plan in plans):
+            parser.error("--prepare: the cold workload needs a node of its own (a node cache for two users)")
+        state = Path(args.prepare)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # --stop ends a prepare still running: cleanly
+        with exclusive(state):  # a prepare cut short at a call's limit may still run: this one waits for it
+            session = Session(str(state.parent / "work"), str(state), {**_setup_of(args),
+                                                                        "namespaces": isolation_namespaces(contenders)})
+            if state.exists():  # resume a prepare cut short, made with the same arguments
+                prepared = Session.load(state)
+                if prepared.setup != session.setup:
+                    parser.error(f"--prepare: {state} was prepared with other arguments: --stop it first")
+                session = prepared
+            session.preparer = ServerProcess(os.getpid(), "benchmarks.serve")
+            session.save()
+            try:
+                prepare(session, plans, args, (args.model or build_smollm2()).resolve(), contenders,
+                        session.setup["namespaces"])
+            finally:
+                session.preparer = None
+                session.save()
+        print(f"prepared: {', '.join(plan.name for plan in plans)}; state {state}", flush=True)
+        return
+    namespaces = session.setup["namespaces"] if session is not None else isolation_namespaces(contenders)
+    unisolated = [name for name in isolation_namespaces(contenders) if name not in namespaces]
+    if unisolated:
+        parser.error(f"--attach: {', '.join(unisolated)} would share another contender's users: prepare with them")
     model_label = (f"{args.shape} shape, DUMMY weights, SYNTHETIC fact KV ({args.kv_dtype})" if args.shape
-                   else f"{tokenizer_dir.name}, {args.kv_dtype}")
+                   else f"{(args.model or Path('SmolLM2-135M-Instruct')).name}, {args.kv_dtype}")
     args.output.mkdir(parents=True, exist_ok=True)
     workloads: dict[str, dict] = {}
 
@@ -553,12 +645,19 @@ def main() -> None:
             "args": {k: str(v) for k, v in vars(args).items()}, "model": model_label,
             "synthetic_kv": args.shape is not None, "workloads": workloads}, indent=2))
 
-    for plan in plan_workloads(args):
+    for plan in plans:
         label = f"{model_label}; {plan.name} workload: {plan.workload.source}, {len(plan.workload.users)} users"
-        with tempfile.TemporaryDirectory(prefix=f"inferscale-serve-{plan.name}-") as workdir:
-            workloads[plan.name] = {"label": label}
-            workloads[plan.name].update(run_workload(plan, args, tokenizer_dir, loads, contenders, Path(workdir),
-                                                     save))
+        workloads[plan.name] = {"label": label}
+        if session is not None:
+            workloads[plan.name].update(measure(session, plan, args, loads, contenders, namespaces, save))
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"inferscale-serve-{plan.name}-") as workdir:
+                own = Session(workdir)
+                try:
+                    prepare(own, [plan], args, (args.model or build_smollm2()).resolve(), contenders, namespaces)
+                    workloads[plan.name].update(measure(own, plan, args, loads, contenders, namespaces, save))
+                finally:
+                    own.stop()
         save()
     for name, outcome in workloads.items():
         results = outcome["results"]
@@ -587,17 +686,13 @@ def main() -> None:
 
 def engine_breakdown(row: dict, off: dict) -> str:
     """Where a contender's engine TTFT goes beyond the no-memory floor: vLLM's queue time (arrival to first scheduled,
-    which holds an async KV load's round trip), prefill time (the first forward: attention over the memory, the
+    which holds a wait for a prefetch), prefill time (the first forward: attention over the memory, the
     connector's in-step work) and the rest (detokenizing, the engine's output path)."""
     parts = {metric: row[metric]["mean"] - off[metric]["mean"]
              for metric in ("engine_ttft_ms", "engine_queue_ms", "engine_prefill_ms")}
     rest = parts["engine_ttft_ms"] - parts["engine_queue_ms"] - parts["engine_prefill_ms"]
     return (f"engine TTFT {parts['engine_ttft_ms']:+.1f} ms = queue {parts['engine_queue_ms']:+.1f} + prefill "
             f"{parts['engine_prefill_ms']:+.1f} + rest {rest:+.1f}")
-
-
-def describe(load: str) -> str:
-    return f"closed loop, {load[1:]} in flight" if load.startswith("c") else f"open loop, {load[1:]} requests/s"
 
 
 def ratio(kv: float, text: float) -> str:
@@ -623,11 +718,13 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
     width = max(12, max(len(name) for name in names) + 2)
     for k in next(iter(results.values())):
         rows = {name: results[name][k] for name in names if k in results[name]}
-        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests']} requests each) {'-' * 22}")
+        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests'] + rows['kv'].get('lost_memory', 0)} requests "
+              f"each) {'-' * 22}")
         print(f"{'':<34}" + "".join(f"{name:>{width}}" for name in rows))
         for label, value, spec in metric_rows:
             print(f"{label:<34}" + "".join(f"{_fmt(value(r), spec):>{width}}" for r in rows.values()))
         for heading, metric, points in (("Query-to-first-token (ms)", "query_to_first_token_ms", ("p50", "p90", "p99")),
+                                        ("Memory step, RetrieveAndStage (ms)", "memory_step_ms", ("p50", "p99")),
                                         ("TTFT after the memory step (ms)", "ttft_ms", ("p50", "p90", "p99")),
                                         ("Engine TTFT, vLLM (ms)", "engine_ttft_ms", ("mean",)),
                                         ("Engine queue time, vLLM (ms)", "engine_queue_ms", ("mean",)),
@@ -639,7 +736,9 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                                 for r in rows.values()))
         kv = rows["kv"]
         for baseline in ("text", "text-stable"):
-            if baseline in rows:
+            if baseline in rows and (kv.get("lost_memory") or rows[baseline].get("lost_memory")):
+                print(f"kv/{baseline}: n/a (requests lost their memory: not a result)")
+            elif baseline in rows:
                 other = rows[baseline]
                 print(f"kv/{baseline}: query-to-first-token p50 "
                       f"{ratio(kv['query_to_first_token_ms']['p50'], other['query_to_first_token_ms']['p50'])}, "
@@ -648,14 +747,16 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                       f"{ratio(kv['throughput_rps'], other['throughput_rps'])}x")
         if "off" in rows:
             for name, row in rows.items():
-                if name != "off" and "engine_queue_ms" in row:
+                if name != "off" and "engine_queue_ms" in row and not row.get("lost_memory"):
                     print(f"{name} - off: {engine_breakdown(row, rows['off'])}")
         for name, row in rows.items():
             if name.startswith("kv-tail"):
                 cost = row["engine_ttft_ms"]["mean"] / kv["engine_ttft_ms"]["mean"] - 1
                 print(f"{name}: engine TTFT {_fmt(row['engine_ttft_ms']['mean'], '{:.1f}')} ms, "
                       f"{_fmt(100 * cost, '{:+.1f}')}% over kv")
-        if "kv-warm" in rows:
+        if "kv-warm" in rows and (kv.get("lost_memory") or rows["kv-warm"].get("lost_memory")):
+            print("cold node cache: n/a (requests lost their memory: not a result)")
+        elif "kv-warm" in rows:
             warm, miss_rate = rows["kv-warm"], 1 - (kv["node_cache_hit_rate"] or 0.0)
             extra = kv["query_to_first_token_ms"]["p50"] - warm["query_to_first_token_ms"]["p50"]
             fetched = kv.get("facts_fetched_per_request") or 0.0

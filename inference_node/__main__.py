@@ -42,8 +42,7 @@ class NodeOptions:
     model_name: str | None = option(None, help="the workers' --model-name")
     synchronous_loads: str = option(
         "auto", choices=("auto", "on", "off"),
-        help="load node-cache-resident KV synchronously; auto: on for CPU, off on CUDA (vLLM 0.26 recomputes a "
-        "refused synchronous load wrongly there)")
+        help="deprecated, ignored: every load is synchronous (its chunks are fetched into the node cache first)")
     kv_crossover_tokens: int = option(
         -1, help="serve a memory shorter than this (injectable tokens) as text, where injecting it is slower; -1: the "
         "crossover measured for this model, dtype and device (kv_crossover.json), 0 if none was")
@@ -61,12 +60,15 @@ def build_parser() -> OptionParser:
 
 
 def kv_transfer_config(settings: NodeSettings) -> dict:
-    """vLLM's --kv-transfer-config for InferScale's connector (the plan secret travels in the environment)."""
+    """vLLM's --kv-transfer-config for InferScale's connector (the plan secret travels in the environment). Every
+    load is proven resident before it is declared, so a load that fails is a defect: "fail" ends that request with
+    an error instead of vLLM's recompute of a refused synchronous load (wrong on vLLM 0.26, benchmarks/RESULTS.md,
+    "Refused loads on the GPU")."""
     return {
         "kv_connector": "InferScaleConnector",
         "kv_connector_module_path": "inference_node.connector",
         "kv_role": "kv_consumer",
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": json.loads(settings.to_json()),
     }
 
@@ -93,16 +95,16 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
     model_dir = Path(options.model)
     profile = build_model_profile(model_dir, AutoTokenizer.from_pretrained(model_dir), options.kv_dtype,
                                   options.context_window, options.model_name)
+    if options.synchronous_loads != "auto":
+        print("inference_node: --synchronous-loads is deprecated and ignored: every load is synchronous",
+              file=sys.stderr)
     device_bytes = cuda_device_bytes()
-    synchronous_loads = (device_bytes is None if options.synchronous_loads == "auto"
-                         else options.synchronous_loads == "on")
     crossover = options.kv_crossover_tokens
     if crossover < 0:
         key = shape_key(AutoConfig.from_pretrained(model_dir), _flag(vllm_args, "--dtype") or "auto", device_name())
         crossover = measured_crossover(key) or 0
     settings = parser.build(NodeSettings, args, memory_service=options.memory_service, node_id=options.node_id,
-                            model_dir=str(model_dir), profile=profile.as_dict(), synchronous_loads=synchronous_loads,
-                            kv_crossover_tokens=crossover)
+                            model_dir=str(model_dir), profile=profile.as_dict(), kv_crossover_tokens=crossover)
     if settings.recompute_tail_facts < 0:
         raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
     if settings.recompute_tail_facts > settings.max_top_k:

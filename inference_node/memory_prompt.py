@@ -1,15 +1,18 @@
-"""What the middleware puts in a request: the memory block (one fact per line, best last), and for kv mode
-the load plan (inference_node.plan) that the connector verifies against the prompt's actual token ids."""
+"""What the middleware puts in a request: the memory block (one fact per line, best last) as text, or on
+/v1/completions as token ids (`MemoryTokens`), and for kv mode the load plan (inference_node.plan) that the
+connector verifies against the prompt's actual token ids."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from inference_node.plan import LoadPlan, PlanFact, PlanHeader
 from inferscale.v1 import memory_pb2 as pb
-from inferscale_kv.layout import MEMORY_INSTRUCTION
+from inferscale_kv.layout import MEMORY_INSTRUCTION, fact_line, fact_token_ids, memory_header_ids, memory_header_text
+from inferscale_kv.stored_text import StoredTextGuard
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,10 @@ def order_facts(facts: list[pb.RetrievedFact],
 
 def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_content_id: str, profile_id: str,
                 user_id: str, key: Callable[[pb.RetrievedFact], Any] = by_rank_descending,
-                recompute_tail_facts: int = 0) -> MemoryPlan:
-    """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order. Without header KV
-    (`header_content_id` empty) nothing can be injected: every fact is text.
+                recompute_tail_facts: int = 0, *, guard: StoredTextGuard) -> MemoryPlan:
+    """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order: each fact's line as
+    the worker tokenized it (`guard`: the node's tokenizer's). Without header KV (`header_content_id` empty) nothing
+    can be injected: every fact is text.
 
     `recompute_tail_facts` = m leaves the last m facts with KV (in the ranked order, the m nearest the question)
     out of the plan: vLLM prefills them after the injected ones, so they attend to the header and every fact
@@ -64,7 +68,7 @@ def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_con
         facts = [pb.RetrievedFact(fact_id=f.fact_id, version=f.version, text=f.text, score=f.score, rank=f.rank,
                                   created_at=f.created_at) for f in facts]
     ordered = order_facts(facts, key)
-    block = "".join(fact.text.strip() + "\n" for fact in ordered)
+    block = "".join(fact_line(guard, fact.text) for fact in ordered)
     injected = [PlanFact(f.fact_id, f.version, f.content_id, tuple(f.token_ids)) for f in ordered if has_kv(f)]
     injected = injected[: max(len(injected) - recompute_tail_facts, 0)]
     plan = LoadPlan(profile_id, user_id, PlanHeader(header_content_id, tuple(header_ids)), tuple(injected))
@@ -75,3 +79,49 @@ def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_con
 def system_content(block: str, client_system: str) -> str:
     content = f"{MEMORY_INSTRUCTION}\n{block}"
     return f"{content}{client_system}" if client_system else content
+
+
+# Where a fact line meets what follows it in a prompt: the next fact's first word, a space, a digit, punctuation, a
+# line break, code.
+_BOUNDARY_SAMPLES = ("Ana visited Lisbon in May 2023.", " leading space", "42 is a number", "(note) it, too!",
+                     "\nline", "def answer(question):", "Qu'est-ce que c'est ?")
+
+
+class MemoryTokens:
+    """A memory prompt as token ids, the layout's own tokenization (inferscale_kv.layout: the header, then each fact
+    line tokenized on its own, then the rest), with each fact line's ids remembered (least recently used out past
+    `capacity`): a user's facts come back request after request, so vLLM need not tokenize thousands of memory
+    tokens per request. Kv and text modes get the same ids, and the connector still proves the plan against them.
+
+    `concatenative` says whether this tokenizer gives the same ids for the prompt's text as a whole; where it does
+    not, the node keeps sending text (vLLM tokenizes it)."""
+
+    def __init__(self, tokenizer: Any, capacity: int = 100_000) -> None:
+        self._tokenizer = tokenizer
+        self.capacity = capacity
+        self.header_ids = memory_header_ids(tokenizer)
+        self._guard = StoredTextGuard.for_tokenizer(tokenizer)
+        self._facts: OrderedDict[str, list[int]] = OrderedDict()
+        header = memory_header_text(tokenizer)
+        self.concatenative = all(
+            self._encode(header + fact_line(self._guard, first) + rest)
+            == [*self.header_ids, *fact_token_ids(tokenizer, first), *self._encode(rest)]
+            for first in _BOUNDARY_SAMPLES for rest in _BOUNDARY_SAMPLES)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, facts: Sequence[pb.RetrievedFact], rest: str) -> list[int]:
+        """header | each fact's line | `rest`, as token ids."""
+        missing = list(dict.fromkeys(fact.text for fact in facts if fact.text not in self._facts))
+        if missing:
+            lines = self._tokenizer([fact_line(self._guard, text) for text in missing],
+                                    add_special_tokens=False)["input_ids"]
+            self._facts.update(zip(missing, map(list, lines), strict=True))
+        ids = list(self.header_ids)
+        for fact in facts:
+            ids += self._facts[fact.text]
+            self._facts.move_to_end(fact.text)
+        while len(self._facts) > self.capacity:
+            self._facts.popitem(last=False)
+        return ids + (self._encode(rest) if rest else [])

@@ -5,14 +5,20 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
   and reserved cache salts before vLLM sees it (`plan.strip_client_plans`; counted in
   `inferscale_node_client_plans_refused_total`): load plans come from this middleware only, signed.
 - On POST /v1/chat/completions and /v1/completions, `memory` is removed, RetrieveAndStage called, the facts
-  written into the prompt (one per line, best last) and, in kv mode, the signed load plan (`kv_transfer_params`)
-  and signed `cache_salt` added; the rewritten body is replayed to vLLM once and `receive` delegated. Completions
-  in a memory mode are tokenized without added special tokens (the header carries the template's BOS). Responses
-  get an `x-inferscale-memory` header with a JSON summary. If the memory service cannot be reached the request
-  is answered without memory, and the header says so. `memory` on any other route is a 400.
+  written into the prompt (one per line, best last, each in its neutral form: never a control token) and, in kv
+  mode, the signed load plan (`kv_transfer_params`) and signed `cache_salt` added; the rewritten body is replayed
+  to vLLM once and `receive` delegated. Completions in a memory mode get their prompt as token ids (the layout's
+  tokenization, memory_prompt.MemoryTokens; as text without added special tokens for a tokenizer whose pieces do
+  not concatenate: the header carries the BOS). Responses get an `x-inferscale-memory` header with a JSON summary.
+  If the memory service cannot be reached the request is answered without memory, and the header says so.
+- The middleware answers itself, with a 4xx whose message starts with the field: `memory` on any other route, a
+  `memory` field with an unknown key or a wrong value (`user_id` by the memory service's id rule), no question
+  (blank after trimming) in kv or text mode, a body that is not JSON though it says it is, nested too deeply for
+  the parser, or larger than MAX_BODY_BYTES (413). Any failure of its own is logged with the request id
+  (`x-request-id`, the client's or a new one) and answered 500 naming it; never does vLLM see such a request.
 
     "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off",
-               "order": "ranked" | "created", "recompute_tail_facts": m}
+               "order": "ranked" | "created", "recompute_tail_facts": m, "kv_crossover_tokens": n}
 
 order "ranked" (default) puts the best fact last, nearest the question; "created" keeps a user's facts in the order
 they were stored, so that text prompts of consecutive requests share a prefix vLLM's prefix cache can reuse.
@@ -22,35 +28,54 @@ recompute_tail_facts (default: the node's --recompute-tail-facts) prefills the l
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import msgspec
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_prompt import FACT_ORDERS, plan_memory, system_content
+from inference_node.memory_prompt import FACT_ORDERS, MemoryTokens, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.query_embedding import LocalQueryEmbedder
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
+from inferscale_kv.ids import ID_RULE, is_valid_id
 from inferscale_kv.layout import memory_header_ids, memory_header_text
+from inferscale_kv.stored_text import StoredTextGuard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
 MODES = ("kv", "text", "off")
+MEMORY_FIELDS = ("user_id", "top_k", "mode", "order", "recompute_tail_facts", "kv_crossover_tokens")
 SUMMARY_HEADER = b"x-inferscale-memory"
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# The memory service's default --max-query-chars: a longer question is searched by its beginning.
+MAX_QUERY_CHARS = 2000
+# The largest request body the middleware reads; a larger one is answered 413 before it is buffered.
+MAX_BODY_BYTES = 64 << 20
+_ERROR_TYPES = {413: "RequestTooLargeError", 500: "InternalServerError"}
+LOGGER = logging.getLogger(__name__)
 
 REQUESTS = Counter("inferscale_node_memory_requests", "requests with a memory field, by mode", ["mode"])
+DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
+DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
 MEMORY_DROPPED = Counter("inferscale_node_memory_dropped", "memory requests answered without their memory because "
                          "RetrieveAndStage failed, by reason (deadline: past --retrieve-timeout-s; unavailable: no "
                          "replica answered; error: any other status)", ["reason"])
-_DROP_REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline", grpc.StatusCode.UNAVAILABLE: "unavailable"}
+for _reason in DROP_REASONS:  # each reason's series exists from the start, at 0 in a healthy run
+    MEMORY_DROPPED.labels(reason=_reason)
+_DROP_REASON_OF_CODE = {grpc.StatusCode.DEADLINE_EXCEEDED: DROP_DEADLINE, grpc.StatusCode.UNAVAILABLE: DROP_UNAVAILABLE}
 FACTS_PLACED = Counter("inferscale_node_facts", "facts placed in prompts, by how", ["how"])
 CLIENT_PLANS_REFUSED = Counter("inferscale_node_client_plans_refused",
                                "client-sent kv_transfer_params and reserved cache salts removed from request bodies")
@@ -61,7 +86,16 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 
-class MemoryRequestError(ValueError):
+class RequestRefused(ValueError):
+    """A request the middleware answers itself, with HTTP `status` (400 unless said); the message starts with the
+    field it is about."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class MemoryRequestError(RequestRefused):
     """The `memory` field is malformed (HTTP 400)."""
 
 
@@ -85,13 +119,18 @@ def _int_field(memory: dict, name: str, default: int, low: int, high: int) -> in
 
 
 def parse_memory(memory: Any, settings: NodeSettings) -> MemoryRequest:
+    """The validated `memory` field; MemoryRequestError naming the first field that is unknown or wrong."""
     if not isinstance(memory, dict):
         raise MemoryRequestError("memory: must be an object")
+    unknown = sorted(set(memory) - set(MEMORY_FIELDS))
+    if unknown:
+        raise MemoryRequestError(f"memory.{unknown[0][:64]}: unknown field (memory takes {', '.join(MEMORY_FIELDS)})")
     user_id = memory.get("user_id")
-    if not isinstance(user_id, str) or not user_id:
-        raise MemoryRequestError("memory.user_id: must be a non-empty string")
+    if not isinstance(user_id, str) or not is_valid_id(user_id):
+        shown = f"{user_id[:40]!r} is not a valid id" if isinstance(user_id, str) else "must be a string"
+        raise MemoryRequestError(f"memory.user_id: {shown} ({ID_RULE})")
     mode = memory.get("mode", "kv")
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise MemoryRequestError(f"memory.mode: must be one of {', '.join(MODES)}")
     order = memory.get("order", "ranked")
     if not isinstance(order, str) or order not in FACT_ORDERS:
@@ -110,20 +149,49 @@ def _single_header(scope: Scope, name: str) -> str | None:
     return values[0] if len(values) == 1 else None
 
 
-def _text_of(content: Any) -> str:
+def _text_of(content: Any, field: str) -> str:
+    """The text of a message's content (a string, or text parts); RequestRefused naming `field` for any other."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
+        texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+        if all(isinstance(text, str) for text in texts):
+            return " ".join(texts)
+    raise RequestRefused(f"{field}: with memory, must be a string or a list of parts whose text is a string")
 
 
-def query_of(payload: dict, path: str) -> str:
+def question_of(payload: dict, path: str, memory: MemoryRequest) -> str:
+    """The question the memory is retrieved for (the last user message's text, or the completion prompt), as the
+    memory service's query: without NUL characters, trimmed, at most MAX_QUERY_CHARS. RequestRefused naming the
+    field where the request has no question in a retrieving mode, or a prompt the memory cannot be put before."""
     if path == "/v1/chat/completions":
-        users = [m for m in payload.get("messages", []) if isinstance(m, dict) and m.get("role") == "user"]
-        return _text_of(users[-1].get("content")) if users else ""
-    prompt = payload.get("prompt")
-    return prompt if isinstance(prompt, str) else ""
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            raise RequestRefused("messages: with memory, must be a list of messages")
+        users = [index for index, message in enumerate(messages)
+                 if isinstance(message, dict) and message.get("role") == "user"]
+        field = f"messages[{users[-1]}].content" if users else "messages"
+        text = _text_of(messages[users[-1]].get("content"), field) if users else ""
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+            _text_of(messages[0].get("content"), "messages[0].content")  # what the memory's system message takes
+    else:
+        field, text = "prompt", payload.get("prompt", "")
+        if not isinstance(text, str):
+            raise RequestRefused("prompt: with memory, must be one string (not token ids or a list)")
+    query = text.replace("\x00", "").strip()[:MAX_QUERY_CHARS]
+    if memory.mode != "off" and not query:
+        raise RequestRefused(f"{field}: with memory, the question must be text that is not empty or whitespace")
+    if not _is_unicode(query):
+        raise RequestRefused(f"{field}: must be Unicode text (it holds a lone surrogate escape)")
+    return query
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class MemoryMiddleware:
@@ -133,6 +201,8 @@ class MemoryMiddleware:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._header_ids: list[int] = []
         self._header_text = ""
+        self._guard = StoredTextGuard(())
+        self._memory_tokens: MemoryTokens | None = None
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
         self._call_metadata: tuple[tuple[str, str], ...] = ()
         self._profile = pb.KvProfile(**self.settings.profile)
@@ -148,6 +218,8 @@ class MemoryMiddleware:
             self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
             self._header_ids = memory_header_ids(self._tokenizer)
             self._header_text = memory_header_text(self._tokenizer)
+            self._guard = StoredTextGuard.for_tokenizer(self._tokenizer)
+            self._memory_tokens = MemoryTokens(self._tokenizer)
         if self._stub is None:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
             self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
@@ -158,42 +230,54 @@ class MemoryMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        request_id = _request_id(scope)
+        try:
+            forward = await self._admit(scope, receive, send)
+        except RequestRefused as refused:
+            message = str(refused)
+            await _send_error(send, refused.status, message, re.split(r"[.\[:]", message, maxsplit=1)[0], request_id)
+            return
+        except RecursionError:  # the body's nesting, wherever it was met (parsing, re-serializing)
+            await _send_error(send, 400, "body: nested too deeply to parse", "body", request_id)
+            return
+        except Exception:  # the middleware's own failure, not the client's: logged with the request id
+            LOGGER.exception("memory middleware failed: request %s, POST %s", request_id, scope.get("path"))
+            await _send_error(send, 500, f"the memory middleware failed on this request (request id {request_id})",
+                              None, request_id)
+            return
+        await self.app(*forward)
+
+    async def _admit(self, scope: Scope, receive: Callable, send: Callable) -> tuple[Scope, Callable, Callable]:
+        """What vLLM gets for this request (scope, receive, send); RequestRefused where the middleware answers."""
         body = await _read_body(receive)
         try:
             payload = json.loads(body)
-        except ValueError:  # not JSON (a form, say): vLLM reads no load plan from it
-            await self.app(scope, _replay(body, receive), send)
-            return
+        except ValueError as error:
+            if body and _declares_json(scope):
+                raise RequestRefused(f"body: not valid JSON ({str(error)[:200]})") from None
+            # Not JSON (a form, or no body at all): vLLM reads no load plan from it.
+            return scope, _replay(body, receive), send
         refused = strip_client_plans(payload)
         if refused:
             CLIENT_PLANS_REFUSED.inc(refused)
         path = scope.get("path")
         if not isinstance(payload, dict) or "memory" not in payload:
             if refused:
-                await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send)
-            else:
-                await self.app(scope, _replay(body, receive), send)
-            return
+                return *_rewritten(scope, json.dumps(payload).encode(), receive), send
+            return scope, _replay(body, receive), send
         if path not in MEMORY_PATHS:
-            await _send_error(send, 400, f"memory: supported on {' and '.join(sorted(MEMORY_PATHS))} only, not {path}")
-            return
-        try:
-            memory = parse_memory(payload.pop("memory"), self.settings)
-            if path == "/v1/completions" and not isinstance(payload.get("prompt", ""), str):
-                raise MemoryRequestError("prompt: with memory, must be one string (not token ids or a list)")
-        except MemoryRequestError as exc:
-            await _send_error(send, 400, str(exc))
-            return
+            raise MemoryRequestError(f"memory: supported on {' and '.join(sorted(MEMORY_PATHS))} only, not {path}")
+        memory = parse_memory(payload.pop("memory"), self.settings)
         if self.settings.user_header and _single_header(scope, self.settings.user_header) != memory.user_id:
             # The gateway in front of the node authenticated the caller and named its user in this header: a
             # client cannot reach any other user's memory, whatever its body says.
-            await _send_error(send, 403, f"memory.user_id: must be the user named by the {self.settings.user_header}"
-                                         " header, sent exactly once")
-            return
+            raise RequestRefused(f"memory.user_id: must be the user named by the {self.settings.user_header} "
+                                 "header, sent exactly once", status=403)
+        question = question_of(payload, path, memory)
         REQUESTS.labels(mode=memory.mode).inc()
         summary: dict[str, Any] = {"mode": memory.mode}
-        if memory.mode != "off":
-            await self._add_memory(payload, path, memory, summary)
+        members = await self._add_memory(payload, path, memory, question, summary) if memory.mode != "off" else {}
+        rewritten = _json_with(payload, members)
         summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
 
         async def send_with_summary(message: Message) -> None:
@@ -201,11 +285,13 @@ class MemoryMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
             await send(message)
 
-        await self.app(*_rewritten(scope, json.dumps(payload).encode(), receive), send_with_summary)
+        return *_rewritten(scope, rewritten, receive), send_with_summary
 
-    async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, summary: dict[str, Any]) -> None:
+    async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, query: str,
+                          summary: dict[str, Any]) -> dict[str, bytes]:
+        """Puts the user's memory in the request: in `payload`, or, for what holds every token id of the memory
+        (the signed load plan, a token-id prompt), in the body members it returns, already JSON."""
         stub = self._prepare()
-        query = (query_of(payload, path) or " ")[:2000]
         started = time.perf_counter()
         request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k,
                                              profile=self._profile, node_id=self.settings.node_id)
@@ -218,23 +304,28 @@ class MemoryMiddleware:
                                                    metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
             # The one case a memory request is answered without its memory: counted, and said in the header.
-            reason = _DROP_REASONS.get(exc.code(), "error")
+            reason = _DROP_REASON_OF_CODE.get(exc.code(), DROP_ERROR)
             MEMORY_DROPPED.labels(reason=reason).inc()
             summary.update(memory="dropped", reason=reason, error=f"memory service: {exc.code().name}", facts=0,
                            injectable_tokens=0)
-            return
+            return {}
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)
+        members: dict[str, bytes] = {}
         plan = plan_memory(list(response.facts), self._header_ids, response.header_content_id,
                            self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
-                           memory.recompute_tail_facts if memory.mode == "kv" else 0)
+                           memory.recompute_tail_facts if memory.mode == "kv" else 0, guard=self._guard)
         if path == "/v1/chat/completions":
             messages = payload.get("messages", [])
             client_system = ""
             if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
-                client_system = _text_of(messages.pop(0).get("content"))
+                client_system = _text_of(messages.pop(0).get("content"), "messages[0].content")
             payload["messages"] = [{"role": "system", "content": system_content(plan.block_text, client_system)},
                                    *messages]
+        elif self._memory_tokens is not None and self._memory_tokens.concatenative:
+            # As token ids: vLLM would tokenize the whole memory again on every request.
+            prompt_ids = self._memory_tokens.prompt(plan.facts, payload.pop("prompt", None) or "")
+            members["prompt"] = msgspec.json.encode(prompt_ids)
         else:
             payload["prompt"] = self._header_text + plan.block_text + (payload.get("prompt") or "")
             # The header text carries the template's BOS: a second one would shift every position.
@@ -248,8 +339,9 @@ class MemoryMiddleware:
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
         if inject:
-            payload["kv_transfer_params"] = self._signer.kv_transfer_params(plan.plan)
-            payload["cache_salt"] = self._signer.cache_salt(plan.plan)
+            signed = self._signer.sign(plan.plan)
+            members["kv_transfer_params"] = signed.kv_transfer_params_json
+            payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
             FACTS_PLACED.labels(how="text").inc(len(plan.facts) - plan.kv_facts)
@@ -258,18 +350,46 @@ class MemoryMiddleware:
             FACTS_PLACED.labels(how="text").inc(len(plan.facts))
         if memory.mode == "kv" and not inject:
             summary.update(kv_facts=0, injectable_tokens=0)
+        return members
 
 
 async def _read_body(receive: Callable) -> bytes:
-    chunks = []
+    """The request's body; RequestRefused (413) past MAX_BODY_BYTES."""
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
             break
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestRefused(f"body: larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+        chunks.append(chunk)
         if not message.get("more_body"):
             break
     return b"".join(chunks)
+
+
+def _json_with(payload: dict, members: dict[str, bytes]) -> bytes:
+    """`payload` as JSON, with `members` (already JSON, names not in `payload`) added."""
+    head = json.dumps(payload).encode()
+    if not members:
+        return head
+    added = b", ".join(json.dumps(name).encode() + b": " + value for name, value in members.items())
+    return head[:-1] + (b", " if payload else b"") + added + b"}"
+
+
+def _declares_json(scope: Scope) -> bool:
+    """Whether vLLM would read the body as JSON: a JSON content type, or none."""
+    content_type = (_single_header(scope, "content-type") or "").split(";")[0].strip().lower()
+    return not content_type or content_type == "application/json" or content_type.endswith("+json")
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's x-request-id when it sends one plain id, else a new one: it names the request in logs and in
+    the middleware's error answers."""
+    sent = _single_header(scope, REQUEST_ID_HEADER)
+    return sent if sent and _REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
 
 
 def _rewritten(scope: Scope, body: bytes, receive: Callable) -> tuple[Scope, Callable]:
@@ -293,9 +413,11 @@ def _replay(body: bytes, receive: Callable) -> Callable:
     return replay_receive
 
 
-async def _send_error(send: Callable, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "memory",
-                                 "code": status}}).encode()
+async def _send_error(send: Callable, status: int, message: str, param: str | None, request_id: str) -> None:
+    """An OpenAI-style error answer (`param`: the request's top-level field it is about) naming the request."""
+    body = json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"),
+                                 "param": param, "code": status}}).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (REQUEST_ID_HEADER.encode(), request_id.encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
 
 PLAN_SECRET_ENV = "INFERSCALE_NODE_PLAN_SECRET"
@@ -116,10 +118,18 @@ def _is_int(value: object) -> bool:
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(_is_int(token) for token in value)
+    """A list of plain ints (not bools): checked in C, since plans hold thousands of token ids."""
+    return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
 def _canonical(wire: dict[str, Any]) -> bytes:
+    """The bytes signatures and salts are HMACs of: `json.dumps(wire, sort_keys=True, separators=(",", ":"))` for a
+    value of to_wire's types (str, int, list, dict). msgspec writes the same bytes a dozen times faster (a plan
+    holds every token id of the memory, and is checked on vLLM's scheduling thread) but for the characters json
+    escapes and msgspec does not (non-ASCII and DEL): those take json's path."""
+    encoded = msgspec.json.encode(wire, order="sorted")
+    if encoded.isascii() and b"\x7f" not in encoded:
+        return encoded
     return json.dumps(wire, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -149,41 +159,78 @@ class ProvenPrefix:
 NO_PREFIX = ProvenPrefix(user_id="", chunks=(), end=0)
 
 
+@dataclass(frozen=True)
+class SignedPlan:
+    """A plan as the middleware puts it in a request: its signed wire form as the JSON of the request's
+    `kv_transfer_params` (serialized once: it holds every token id of the memory), and the cache salt it signs."""
+
+    kv_transfer_params_json: bytes
+    cache_salt: str
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any]:
+        return json.loads(self.kv_transfer_params_json)
+
+
 class PlanSigner:
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
 
-    def _mac(self, purpose: bytes, wire: dict[str, Any]) -> str:
-        return hmac.new(self._secret, purpose + b"\0" + _canonical(wire), hashlib.sha256).hexdigest()
+    def _mac(self, purpose: bytes, canonical: bytes) -> str:
+        return hmac.new(self._secret, purpose + b"\0" + canonical, hashlib.sha256).hexdigest()
+
+    def _salt(self, canonical: bytes) -> str:
+        return RESERVED_SALT_PREFIX + self._mac(b"salt", canonical)[:32]
+
+    def sign(self, plan: LoadPlan) -> SignedPlan:
+        """The plan's signed wire form and its cache salt, from one canonical form (the request path's cost)."""
+        canonical = _canonical(plan.to_wire())
+        signature = self._mac(b"plan", canonical).encode()
+        params = b'{"%s":{"plan":%s,"sig":"%s"}}' % (PARAMS_KEY.encode(), canonical, signature)
+        return SignedPlan(params, self._salt(canonical))
 
     def kv_transfer_params(self, plan: LoadPlan) -> dict[str, Any]:
-        wire = plan.to_wire()
-        return {PARAMS_KEY: {"plan": wire, "sig": self._mac(b"plan", wire)}}
+        return self.sign(plan).kv_transfer_params
 
     def cache_salt(self, plan: LoadPlan) -> str:
         """Keeps injected blocks out of every other request's prefix-cache lookups; only a request with this
-        same signed plan (same user, same KV keys, same tokens) can reuse them."""
-        return RESERVED_SALT_PREFIX + self._mac(b"salt", plan.to_wire())[:32]
+        same signed plan (same user, same KV keys, same tokens) can reuse them.
+
+        Per plan, not per user: vLLM's prefix cache matches tokens under a salt, and a user's equal tokens can stand
+        for other KV under another plan (the same text encoded behind other turns, a fact re-encoded after its turns
+        changed, a fact a recomputed tail prefilled where another plan injects it), so a user-wide salt would hand
+        one request another's bytes. Under one plan each position's KV is its chunk's (the plan names its content
+        id), or, if the request's memory fell back to prefill, that prompt's own prefill."""
+        return self.sign(plan).cache_salt
 
     def user_salt(self, profile_id: str, user_id: str) -> str:
         """The salt of a user's prefilled memory prompts: reuse within the user's own requests (the text-stable
         layout relies on it), none across users, so that no one can probe another user's memory through vLLM's
         prefix cache (`cached_tokens`)."""
-        return RESERVED_SALT_PREFIX + self._mac(b"user", {"profile_id": profile_id, "user_id": user_id})[:32]
+        return RESERVED_SALT_PREFIX + self._mac(b"user", _canonical({"profile_id": profile_id,
+                                                                     "user_id": user_id}))[:32]
+
+    def verified_with_salt(self, params: object) -> tuple[LoadPlan, str] | None:
+        """The plan in `params` and the cache salt it signs, if it is well formed and its signature is the
+        middleware's, else None (never raises). One canonical form serves both: this runs on vLLM's scheduling
+        thread."""
+        signed = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if not isinstance(signed, dict) or not isinstance(signed.get("sig"), str):
+            return None
+        wire = signed.get("plan")
+        plan = LoadPlan.from_wire(wire)  # only what to_wire writes, so `wire` has its types: _canonical's domain
+        if plan is None or not isinstance(wire, dict):
+            return None
+        canonical = _canonical(wire)
+        if not hmac.compare_digest(signed["sig"].encode(), self._mac(b"plan", canonical).encode()):
+            return None
+        return plan, self._salt(canonical)
 
     def verified(self, params: object) -> LoadPlan | None:
         """The plan in `params` if its signature is the middleware's and it is well formed, else None (never
         raises)."""
-        try:
-            signed = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-            if not isinstance(signed, dict) or not isinstance(signed.get("sig"), str):
-                return None
-            wire = signed.get("plan")
-            if not isinstance(wire, dict) or not hmac.compare_digest(signed["sig"], self._mac(b"plan", wire)):
-                return None
-        except (TypeError, ValueError):
-            return None
-        return LoadPlan.from_wire(wire)
+        verified = self.verified_with_salt(params)
+        return verified[0] if verified is not None else None
 
 
 def provable_prefix(prompt_token_ids: Sequence[int], plan: LoadPlan, profile_id: str) -> ProvenPrefix:

@@ -29,14 +29,9 @@ class NodeSettings:
     retrieve_timeout_s: float = option(
         2.0, help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     fetch_timeout_s: float = option(
-        10.0, help="deadline of a fact-KV fetch from the memory service; past it the tokens are recomputed")
+        10.0, help="deadline of a fact-KV fetch from the memory service; past it the request's memory is prefilled")
     default_top_k: int = option(20, flag="memory-top-k", help="facts per request when the request does not say")
     max_top_k: int = 200
-    # Whether a load whose chunks are all in the node cache runs synchronously (before the forward of the step that
-    # schedules the request) instead of one engine step earlier on the async path. Only where vLLM recomputes a
-    # refused synchronous load correctly (benchmarks/RESULTS.md, "Refused loads on the GPU"). Off unless asked for;
-    # `python -m inference_node` turns it on for CPU.
-    synchronous_loads: bool = False
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).
     # None by default: a longer tail did not improve answers beyond noise and costs kv's engine TTFT

@@ -1,15 +1,18 @@
 """The memory prompt layout shared by the precompute workers (encoding) and inference nodes (serving).
 
 Serving prompt, as token ids: header | fact_1 | ... | fact_k (best last) | footer. The header is the chat
-template's opening up to and including the memory instruction; each fact is its text and a newline,
-tokenized on its own; the footer closes the system message and carries the user's question. Facts are encoded
-behind the same header (and, with Context-Window Encoding, behind the conversation turns before them).
+template's opening up to and including the memory instruction; each fact is its line (`fact_line`: its neutral text
+and a newline), tokenized on its own; the footer closes the system message and carries the user's question. Facts
+are encoded behind the same header (and, with Context-Window Encoding, behind the conversation turns before them,
+each its `turn_line`). Stored text enters every line neutral (`inferscale_kv.stored_text`): never a control token.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+
+from inferscale_kv.stored_text import StoredTextGuard
 
 MEMORY_INSTRUCTION = (
     "You are a helpful assistant with a memory of the user. Facts you remember about the user, one per line:"
@@ -36,15 +39,25 @@ def memory_header_ids(tokenizer) -> list[int]:
     return _encode(tokenizer, memory_header_text(tokenizer))
 
 
+def fact_line(guard: StoredTextGuard, text: str) -> str:
+    """A fact's line in the memory block, as the node renders it and the worker tokenizes it."""
+    return guard.neutral(text.strip()) + "\n"
+
+
+def turn_line(guard: StoredTextGuard, speaker: str, text: str) -> str:
+    """A conversation turn's line before a fact (Context-Window Encoding)."""
+    line = guard.neutral(text.strip())
+    return f"{guard.neutral(speaker)}: {line}\n" if speaker else line + "\n"
+
+
 def fact_token_ids(tokenizer, text: str) -> list[int]:
     """A fact's tokens exactly as they stand in the serving prompt: its own line."""
-    return _encode(tokenizer, text.strip() + "\n")
+    return _encode(tokenizer, fact_line(StoredTextGuard.for_tokenizer(tokenizer), text))
 
 
 def turn_token_ids(tokenizer, speaker: str, text: str) -> list[int]:
     """A conversation turn as Context-Window Encoding renders it before a fact."""
-    line = f"{speaker}: {text.strip()}" if speaker else text.strip()
-    return _encode(tokenizer, line + "\n")
+    return _encode(tokenizer, turn_line(StoredTextGuard.for_tokenizer(tokenizer), speaker, text))
 
 
 def token_hash(token_ids: Sequence[int]) -> str:

@@ -13,8 +13,9 @@ ALL_PRECEDING_TURNS = -1
 # nodes must agree on it.
 DEFAULT_CONTEXT_WINDOW = 50
 RECIPE = "chunked-rope-cwe"
-# Bump when the encoding changes in any way that changes bytes (window rule, turn rendering, capture point).
-RECIPE_VERSION = 1
+# Bump when the encoding changes in any way that changes bytes (window rule, turn rendering, the neutral form of
+# stored text, capture point).
+RECIPE_VERSION = 2
 
 
 class KvProfileLike(Protocol):

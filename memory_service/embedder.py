@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from inferscale_kv.batching import MicroBatcher
 from inferscale_kv.embedding_model import embedding_model_id, resolve_model_path
 from memory_service.onnx_encoder import OnnxSentenceEncoder
 
@@ -74,9 +75,8 @@ class Embedder:
         self._ingest_encoder: OnnxSentenceEncoder | TorchSentenceEncoder | None = None
         self.dim = 0
         self.model_id = ""  # inferscale_kv.embedding_model.embedding_model_id, once loaded
-        self._observe_query_batch = observe_query_batch
-        self._pending_queries: list[tuple[str, asyncio.Future]] = []
-        self._query_drain: asyncio.Task | None = None
+        self._queries: MicroBatcher[str, np.ndarray] = MicroBatcher(self._embed_queries, self._query_executor,
+                                                                    batch_size, observe_query_batch)
 
     def _load_blocking(self) -> OnnxSentenceEncoder | TorchSentenceEncoder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,34 +115,11 @@ class Embedder:
             self._ingest_executor, self._embed_blocking, self._ingest_encoder, texts)
 
     async def embed_query(self, text: str) -> np.ndarray:
-        """One query's [dim] embedding. Queries that arrive while a batch is being embedded wait for it and go
-        together in the next one: one model call per batch instead of per query, with no added delay when idle
-        (under load, per-query calls would queue behind each other on the query thread)."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending_queries.append((text, future))
-        if self._query_drain is None:
-            self._query_drain = asyncio.get_running_loop().create_task(self._drain_queries())
-        return await future
+        """One query's [dim] embedding, batched with the queries that arrive meanwhile (inferscale_kv.batching)."""
+        return await self._queries.submit(text)
 
-    async def _drain_queries(self) -> None:
-        try:
-            while self._pending_queries:
-                batch = self._pending_queries[: self._batch_size]
-                del self._pending_queries[: len(batch)]
-                self._observe_query_batch(len(batch))
-                try:
-                    vectors = await asyncio.get_running_loop().run_in_executor(
-                        self._query_executor, self._embed_blocking, self._query_encoder, [text for text, _ in batch])
-                except Exception as error:  # every waiter gets the failure; the next batch runs
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(error)
-                    continue
-                for (_, future), vector in zip(batch, vectors, strict=True):
-                    if not future.done():  # a cancelled caller (deadline, disconnect) is skipped
-                        future.set_result(vector)
-        finally:
-            self._query_drain = None
+    def _embed_queries(self, texts: list[str]) -> np.ndarray:
+        return self._embed_blocking(self._query_encoder, texts)
 
     def close(self) -> None:
         for executor in (self._query_executor, self._ingest_executor):

@@ -41,6 +41,9 @@ from memory_service.validation import check_kv_fits_profile
 
 log = structlog.get_logger(__name__)
 
+# Blobs FetchKv holds at once, over every call (each ~4.4 MiB at the Llama-3-8B shape, about three copies while it
+# is written out): the service's memory for fetches is bounded whatever the number of streams.
+FETCH_BLOBS_IN_FLIGHT = 32
 # How long a staging handle is meant to be used for: the facts it names may change (and their KV with them) after it.
 STAGING_TTL_S = 60.0
 # Workers must not guess which of their uploads are audited.
@@ -153,6 +156,7 @@ class KvPipeline:
         self._fields: dict[str, dict] = {}  # the fields of announced profiles (they never change)
         self._shapes: dict[str, KvShape] = {}  # the KV layout of profiles with KV stored (it never changes)
         self._header_locks: dict[str, asyncio.Lock] = {}  # one header received at a time per profile
+        self._fetch_slots = asyncio.Semaphore(FETCH_BLOBS_IN_FLIGHT)
 
     # ------------------------------------------------------------------ profiles
 
@@ -447,11 +451,13 @@ class KvPipeline:
                              total_bytes=sum(e.nbytes for e in ready), expires_at=time.time() + STAGING_TTL_S)
 
     async def fetch(self, keys: Sequence[KvKey]) -> AsyncIterator[tuple[KvKey, bytes | None]]:
-        """Each key with its blob, in order: None where the index lists nothing under exactly that key. One index
-        lookup for all of them, then one read at a time (a caller streams each blob before the next is read)."""
-        listed = await run_blocking(self._kv_store.listed, keys)
+        """Each key with its blob, in order: None where the index does not list exactly that key when its turn comes
+        (checked just before each read, so a delete acknowledged meanwhile stops the rest of a stream). One blob at a
+        time per call, and at most FETCH_BLOBS_IN_FLIGHT across calls: each is held from its read until the caller
+        has taken it (streamed it), so many slow fetches cannot pile blobs up in memory."""
         for key in keys:
-            yield key, await run_blocking(self._kv_store.read, key) if key in listed else None
+            async with self._fetch_slots:
+                yield key, await run_blocking(self._kv_store.get, key)
 
     # ------------------------------------------------------------------ accounting
 

@@ -34,15 +34,17 @@ class TieredKvStore:
 
     - A worker's upload (`put`) is written to the durable tier and recorded in the index, in that order, under its
       lease; nothing else moves: KV travels toward a node only when that node fetches it.
-    - A node's fetch (`listed`, then `read`) serves only what the index lists under exactly the key asked for. A read
-      is served from the host cache, else from the durable tier (checksum and key checked there, once per read from
-      storage), and then kept in the host cache (LRU within its budget; the profiles' header KV pinned), so each
-      byte is read from storage at most once per miss; concurrent misses of one key share one read. Reads take no
-      store-wide lock and run in parallel.
+    - A node's fetch (`get`, key by key) serves only what the index lists under exactly the key asked for, checked
+      just before each read. A read is served from the host cache, else from the durable tier (checksum and key
+      checked there, once per read from storage), and then kept in the host cache (LRU within its budget; the
+      profiles' header KV pinned), so each byte is read from storage at most once per miss; concurrent misses of one
+      key share one read. Reads take no store-wide lock and run in parallel.
     - What the index lists and what the tiers hold change together under one lock (puts, forgets, a blob found
-      corrupt or lost), so that a completion cannot land after the delete of its fact (no orphan blobs) and a blob
-      forgotten while it was being read is not cached afterwards. Across replicas the coordination store's
-      transactions order these steps (a completion records after its upload, a delete removes what it un-recorded).
+      corrupt or lost), so that a completion cannot land after the delete of its fact (no orphan blobs), and a blob
+      forgotten while it was being read is not cached afterwards: a forget removes the durable copy first, then the
+      cached one, and marks the key if a read of it is in flight (that read then returns without caching). Across
+      replicas the coordination store's transactions order these steps (a completion records after its upload, a
+      delete removes what it un-recorded), and the host cache's copies of KV another replica deleted are swept.
     """
 
     def __init__(self, kv_index: KvIndex, work_queue: KvWorkQueue, user_records: UserRecords, durable: KvTier,
@@ -62,13 +64,15 @@ class TieredKvStore:
             for key in self.durable.keys():  # noqa: SIM118 - a tier, not a dict
                 if key.is_header:
                     self.durable.pin(key)
-        self.corrupt_blobs = 0
+        self.corrupt_blobs = 0  # failed their check when read
+        self.lost_blobs = 0  # listed, but their durable copy was gone
         self.bytes_read = {tier.name: 0 for tier in self.tiers}  # read from each tier for fetches
         self.bytes_served = 0  # handed to fetches (a read shared by concurrent misses counts once above)
         self._lock = threading.RLock()  # orders changes of the index and the tiers
-        self._cache_lock = threading.Lock()  # the host cache's admissions, the reads in flight, the forget epoch
-        self._forgotten = 0  # bumped by every forget: a read that began before one does not fill the cache
-        self._reads: dict[KvKey, Future[bytes | None]] = {}
+        self._cache_lock = threading.Lock()  # the host cache's admissions, the reads in flight and their marks
+        self._reads: dict[KvKey, Future[bytes | None]] = {}  # durable reads in flight (at most one per key)
+        self._forgotten_while_read: set[KvKey] = set()  # of those, the keys forgotten meanwhile: not cached
+        self._cached_since_sweep: set[KvKey] = set()  # shared stores: the sweep looks at these whatever moved
         self._swept_generations: dict[str, int] = {}
 
     # ------------------------------------------------------------------ writes
@@ -120,13 +124,15 @@ class TieredKvStore:
             self._remove(keys)
 
     def _remove(self, keys: Sequence[KvKey]) -> None:
-        with self._cache_lock:
-            self._forgotten += 1
-            if self.host_cache is not None:
-                for key in keys:
-                    self.host_cache.remove(key)
+        """The durable copies first: a read that starts after this cannot find one to cache."""
         for key in keys:
             self.durable.remove(key)
+        with self._cache_lock:
+            for key in keys:
+                if key in self._reads:
+                    self._forgotten_while_read.add(key)
+                if self.host_cache is not None:
+                    self.host_cache.remove(key)
 
     def _forget_evicted(self, key: KvKey) -> None:
         """The durable copy is gone (evicted for space): the index stops listing it and the cache drops its copy."""
@@ -135,22 +141,32 @@ class TieredKvStore:
             self._remove([key])
 
     def _requeue_corrupt(self, key: KvKey) -> None:
-        """A blob failed its check, or its durable copy is lost: forgotten, and its fact computed again."""
-        with self._lock:
-            self.corrupt_blobs += 1
-            log.warning("kv_blob_corrupt", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
-                        version=key.version)
-            self.kv_index.forget_entry(key)
-            self._remove([key])
-            if not key.is_header:  # a lost header is asked of the next worker that leases (header_kv_wanted)
-                self.work_queue.enqueue([key.profile_id], [(key.user_id, key.fact_id, key.version)])
+        """A blob failed its check when read: forgotten, and its fact computed again."""
+        self._recompute(key, "kv_blob_corrupt")
 
     def _requeue_lost(self, key: KvKey) -> None:
         """A read found no durable copy: if the index still lists the key (checked under the lock, after any forget
         or eviction in progress has finished), the copy is lost and the fact computed again."""
         with self._lock:
             if self.listed([key]):
-                self._requeue_corrupt(key)
+                self._recompute(key, "kv_blob_lost")
+
+    def _recompute(self, key: KvKey, event: str) -> None:
+        """Forgets a stored entry whose blob cannot be served and queues its fact again, if the index still listed
+        it (a forget racing the read has then taken the fact away, and nothing is queued)."""
+        with self._lock:
+            if not self.kv_index.forget_entry(key):
+                self._remove([key])
+                return
+            if event == "kv_blob_corrupt":
+                self.corrupt_blobs += 1
+            else:
+                self.lost_blobs += 1
+            log.warning(event, profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
+                        version=key.version)
+            self._remove([key])
+            if not key.is_header:  # a lost header is asked of the next worker that leases (header_kv_wanted)
+                self.work_queue.enqueue([key.profile_id], [(key.user_id, key.fact_id, key.version)])
 
     # ------------------------------------------------------------------ reads
 
@@ -166,8 +182,8 @@ class TieredKvStore:
         return found
 
     def read(self, key: KvKey) -> bytes | None:
-        """The blob of a key `listed` returned: from the host cache, else from the durable tier (then cached); None
-        if it is gone meanwhile (forgotten, or found corrupt or lost: then its fact is queued again)."""
+        """The blob of a key `listed` just returned: from the host cache, else from the durable tier (then cached);
+        None if it is gone meanwhile (forgotten, or found corrupt or lost: then its fact is queued again)."""
         if self.host_cache is not None and (blob := self.host_cache.get(key)) is not None:
             self._count_read(self.host_cache, blob)
             return blob
@@ -183,18 +199,14 @@ class TieredKvStore:
             leader = pending is None
             if pending is None:
                 pending = self._reads[key] = Future()
-            forgotten = self._forgotten
         if not leader:
             return pending.result()
         try:
             blob = self.durable.get(key)
             if blob is None:
                 self._requeue_lost(key)
-            if blob is not None:
+            else:
                 self._count_read(self.durable, blob)
-                with self._cache_lock:
-                    if self.host_cache is not None and forgotten == self._forgotten:
-                        self.host_cache.put(key, blob, pinned=key.is_header)
             pending.set_result(blob)
             return blob
         except BaseException as error:
@@ -203,6 +215,12 @@ class TieredKvStore:
         finally:
             with self._cache_lock:
                 del self._reads[key]
+                forgotten = key in self._forgotten_while_read
+                self._forgotten_while_read.discard(key)
+                if self.host_cache is not None and not forgotten and pending.done() and not pending.exception():
+                    blob = pending.result()
+                    if blob is not None and self.host_cache.put(key, blob, pinned=key.is_header) and self.shared:
+                        self._cached_since_sweep.add(key)
 
     def get(self, key: KvKey) -> bytes | None:
         """The blob stored under exactly `key`, if the index lists it."""
@@ -217,18 +235,23 @@ class TieredKvStore:
     # ------------------------------------------------------------------ maintenance
 
     def sweep_host_cache(self) -> int:
-        """Drops the host cache's copies of keys the index no longer lists, for the users whose write generation
-        moved since the last sweep (another replica deleted their facts); returns the copies dropped. Such a copy
-        is never served meanwhile (reads check the index first): the sweep frees its memory."""
+        """Drops the host cache's copies of keys the index no longer lists, among those of the users whose write
+        generation moved since the last sweep (another replica deleted their facts) and those cached since the last
+        sweep (a read that overlapped another replica's delete); returns the copies dropped. Such a copy is never
+        served meanwhile (reads check the index first): the sweep frees its memory."""
         if self.host_cache is None:
             return 0
+        with self._cache_lock:
+            fresh, self._cached_since_sweep = self._cached_since_sweep, set()
         cached = list(self.host_cache.keys())
-        generations = self._user_records.write_generations(sorted({key.user_id for key in cached}))
+        users = sorted({key.user_id for key in cached})
+        generations = self._user_records.write_generations(users)
         moved = {user for user, generation in generations.items() if generation != self._swept_generations.get(user)}
-        self._swept_generations.update({user: generations[user] for user in moved})
-        candidates = [key for key in cached if key.user_id in moved]
+        self._swept_generations = generations  # only the users cached now
+        candidates = [key for key in cached if key.user_id in moved or key in fresh]
         stale = set(candidates) - self.listed(candidates)
-        return sum(self.host_cache.remove(key) for key in stale)
+        with self._cache_lock:
+            return sum(self.host_cache.remove(key) for key in stale)
 
     def reconcile(self) -> None:
         """Makes the index and the durable tier agree after a crash: blobs without an entry go, entries without a

@@ -73,6 +73,11 @@ class ServiceMetrics:
         self.kv_uploads = Counter(
             "inferscale_kv_uploads", "fact KV uploads by outcome", ["outcome"], registry=self.registry
         )
+        self.kv_fetched_blobs = Counter(
+            "inferscale_kv_fetched_blobs", "blobs FetchKv was asked for, by outcome (missing: not listed under that "
+            "key, or gone when read: the node recomputes those tokens)", ["outcome"], registry=self.registry)
+        for outcome in ("served", "missing"):
+            self.kv_fetched_blobs.labels(outcome=outcome)
         self.kv_work_failures = Counter(
             "inferscale_kv_work_failures", "facts a worker reported it could not encode", registry=self.registry
         )
@@ -157,6 +162,10 @@ class _KvCollector(Collector):
         waiting = GaugeMetricFamily("inferscale_kv_audits_waiting", "stored KV waiting for another worker's audit")
         waiting.add_metric([], self._kv_pipeline.audits_waiting())
         yield waiting
+        lost = CounterMetricFamily("inferscale_kv_lost_blobs", "indexed blobs whose durable copy was gone when read "
+                                   "(their facts are computed again)")
+        lost.add_metric([], self._kv_store.lost_blobs)
+        yield lost
         queue = GaugeMetricFamily("inferscale_kv_queue_facts", "facts in the KV pipeline by profile and state",
                                   labels=["profile_id", "state"])
         lag = GaugeMetricFamily("inferscale_kv_queue_lag_seconds", "age of the oldest queued fact",

@@ -48,7 +48,7 @@ class S3Settings:
 
         return boto3.client("s3", endpoint_url=self.endpoint or None, region_name=self.region,
                             config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                                          max_pool_connections=32))
+                                          max_pool_connections=32, connect_timeout=5, read_timeout=30))
 
 
 @dataclass(frozen=True)

@@ -279,4 +279,5 @@ class MemoryOperations:
                 ] if header_content_id is not None else []
         keys += [KvKey(profile_id, user_id, ref.fact_id, ref.version, ref.content_id) for ref in facts]
         async for key, blob in self._kv_pipeline.fetch(keys):
+            self._metrics.kv_fetched_blobs.labels(outcome="served" if blob else "missing").inc()
             yield key, blob or b""

@@ -19,7 +19,7 @@ from memory_service.coordination.work_queue import Job
 from memory_service.coordination.workers import WorkerDevice
 from memory_service.kv_pipeline import LeaseRequest, StagingHandle
 from memory_service.metrics import ServiceMetrics
-from memory_service.models import Announcer, FactKvRef, IngestOutcome, Query, StoredFact
+from memory_service.models import Announcer, IngestOutcome, Query, StoredFact
 from memory_service.operations import MemoryOperations, Retrieval, RetrievalRequest, ServiceStats
 from memory_service.rpc import rpc
 from memory_service.validation import (
@@ -33,6 +33,7 @@ from memory_service.validation import (
     validate_facts,
     validate_header_kv,
     validate_id,
+    validate_kv_refs,
     validate_non_negative,
     validate_query,
     validate_rate,
@@ -290,8 +291,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def FetchKv(self, request: pb.FetchKvRequest, context: grpc.aio.ServicerContext) -> None:
         profile_id = validate_id(request.profile_id, "profile_id")
         user_id = validate_id(request.user_id, "user_id")
-        refs = [FactKvRef(validate_id(ref.fact_id, f"facts[{index}].fact_id"), ref.version, ref.content_id)
-                for index, ref in enumerate(request.facts)]
+        refs = validate_kv_refs(request.facts, self._limits)
         async for key, blob in self._operations.fetch_kv(
                 profile_id, user_id, refs, request.header_content_id if request.include_header else None):
             await context.write(pb.FetchKvResponse(fact_id=key.fact_id, version=key.version, blob=blob,

@@ -11,23 +11,22 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
+from inferscale_kv.ids import ID_PATTERN as _ID_PATTERN
+from inferscale_kv.ids import ID_RULE as _ID_RULE
+from inferscale_kv.ids import MAX_ID_CHARS
 from inferscale_kv.kv_key import header_key
 from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike, kv_profile_id, profile_fields
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
 from memory_service.kv_checks import non_finite_values
-from memory_service.models import AnnouncedProfile, KvShape, KvUpload, NewFact, NewTurn, Query
+from memory_service.models import AnnouncedProfile, FactKvRef, KvShape, KvUpload, NewFact, NewTurn, Query
 
-MAX_ID_CHARS = 128
-# Ids appear in storage filters; this alphabet (no quotes, spaces or separators) keeps them inert there.
-_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/=-]*")
-_ID_RULE = f"1-{MAX_ID_CHARS} characters of letters, digits and ._:@+/=- starting with a letter or digit"
 _CONTENT_ID = re.compile(r"[0-9a-f]{32}")
 MAX_TOKEN_ID = 2**31  # token ids travel as int32 (RetrievedFact.token_ids)
 
@@ -196,6 +195,15 @@ def resolve_page_size(page_size: int, limits: Limits) -> int:
 def validate_fact_ids(fact_ids: Sequence[str], limits: Limits) -> list[str]:
     _check_batch(len(fact_ids), "fact_ids", limits.max_delete_ids)
     return list(dict.fromkeys(validate_id(fact_id, f"fact_ids[{i}]") for i, fact_id in enumerate(fact_ids)))
+
+
+def validate_kv_refs(refs: Sequence[Any], limits: Limits) -> list[FactKvRef]:
+    """A FetchKv's fact references (none: the header alone): at most a request's facts (--max-top-k), each with a
+    valid fact id."""
+    if len(refs) > limits.max_top_k:
+        raise LimitExceeded("facts", f"{len(refs)} entries exceeds the limit of {limits.max_top_k} per call")
+    return [FactKvRef(validate_id(ref.fact_id, f"facts[{index}].fact_id"), ref.version, ref.content_id)
+            for index, ref in enumerate(refs)]
 
 
 def encode_page_token(last_fact_id: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from inferscale_kv.layout import fact_token_ids, turn_token_ids
 from inferscale_kv.profile import window_start
+from inferscale_kv.stored_text import StoredTextGuard
 from precompute_worker.encoder import EncodingGroup, FactKey, FactSpec
 
 
@@ -34,6 +35,7 @@ class GroupBuilder:
 
     def __init__(self, tokenizer, header_ids: Sequence[int], context_window: int, max_context_tokens: int,
                  max_group_tokens: int) -> None:
+        StoredTextGuard.for_tokenizer(tokenizer)  # refuses, at start, a tokenizer that would undo neutral text
         self.tokenizer = tokenizer
         self.header_ids = list(header_ids)
         self.context_window = context_window

@@ -97,6 +97,8 @@ SERVER_FAULT_CODES = "INTERNAL|UNKNOWN|UNAVAILABLE|DATA_LOSS|DEADLINE_EXCEEDED"
 MEMORY_SERVICE_UP = 'up{job="memory-service"}'
 NODE_UP = 'up{job="inference-node"}'
 RETRIEVE = 'method="RetrieveAndStage"'
+KV_PATH_METHODS = 'method=~"RetrieveAndStage|FetchKv"'
+MEMORY_REQUESTS = 'inferscale_node_memory_requests_total{mode!="off"}'  # the requests that ask for memory
 
 OVERVIEW = Dashboard(
     uid="inferscale-overview",
@@ -113,9 +115,10 @@ OVERVIEW = Dashboard(
                   (Query(f"sum({NODE_UP})", "up"), Query(f"count({NODE_UP})", "known")),
                   stat=True, base=RED, thresholds=((1, GREEN),), width=4, height=4),
             Panel("Requests without their memory",
-                  "Memory requests in the time range that RetrieveAndStage did not answer in time (the service "
-                  "unreachable, failing, or past the node's --retrieve-timeout-s): they were served without memory.",
-                  "short", (Query(f"sum(increase(inferscale_node_retrieve_errors_total[{RANGE}]))"),),
+                  "Memory requests in the time range answered without their memory, by reason: deadline "
+                  "(RetrieveAndStage past the node's --retrieve-timeout-s), unavailable (no memory-service replica "
+                  "answered), error (any other status).", "short",
+                  (Query(f"sum by (reason) (increase(inferscale_node_memory_dropped_total[{RANGE}]))", "{{reason}}"),),
                   stat=True, thresholds=((1, RED),), width=4, height=4),
             Panel("Fact-KV load failures",
                   "Loads into vLLM's paged cache that failed in the time range; vLLM recomputed those tokens (a "
@@ -177,7 +180,8 @@ OVERVIEW = Dashboard(
 MEMORY_SERVICE = Dashboard(
     uid="inferscale-memory-service",
     title="InferScale / Memory service",
-    description="RPCs, retrieval and embedding, stored memory, the fact-KV pipeline and its workers, KV tiers.",
+    description="RPCs, retrieval and embedding, stored memory, the fact-KV pipeline and its workers, fact KV read "
+                "for the nodes, KV tiers.",
     rows=(
         Row("Replicas and RPCs", (
             Panel("Replicas up", "Memory-service replicas Prometheus scrapes.", "none",
@@ -275,6 +279,23 @@ MEMORY_SERVICE = Dashboard(
                   "percent",
                   (Query("max by (worker_id) (inferscale_worker_device_utilization_percent)", "{{worker_id}}"),)),
         )),
+        Row("Fact KV read for the nodes", (
+            Panel("KV bytes read by tier",
+                  "Fact-KV bytes read per second to answer FetchKv (the nodes' node-cache misses): from the host "
+                  "cache (host), or on a miss from the durable tier (disk or object-store); concurrent misses of one "
+                  "blob share one read.", "Bps",
+                  (Query(f"sum by (tier) (rate(inferscale_kv_bytes_read_total[{RATE}]))", "{{tier}}"),),
+                  stacked=True, width=8),
+            Panel("KV bytes served",
+                  "Fact-KV bytes handed to FetchKv per second. Above the bytes read when concurrent misses of a "
+                  "blob shared one read.", "Bps",
+                  (Query(f"sum(rate(inferscale_kv_bytes_served_total[{RATE}]))", "served"),), width=8),
+            Panel("RetrieveAndStage and FetchKv calls",
+                  "Calls per second. RetrieveAndStage (on every memory request's path) reads no KV: the bytes read "
+                  "follow FetchKv.", "reqps",
+                  (Query(f'sum by (method) (rate(inferscale_rpc_requests_total{{{KV_PATH_METHODS}}}[{RATE}]))',
+                         "{{method}}"),), width=8),
+        )),
         Row("KV tiers", (
             Panel("KV bytes held by tier",
                   "Bytes of fact KV in each replica's tiers, and each tier's budget (dashed).", "bytes",
@@ -367,11 +388,14 @@ INFERENCE_NODE = Dashboard(
                   _quantiles("inferscale_node_stage_seconds", "instance", (0.5, 0.99)),
                   thresholds=((DEADLINE_S / 2, ORANGE), (DEADLINE_S, RED)), lines=True),
             Panel("Memory requests served without their memory",
-                  "Share of kv and text requests whose RetrieveAndStage failed (unreachable, deadline, error). "
-                  "The node's log and the x-inferscale-memory header name the code.", "percentunit",
-                  (Query(_ratio("inferscale_node_retrieve_errors_total",
-                                'inferscale_node_memory_requests_total{mode!="off"}', "instance"), "{{instance}}"),),
-                  ratio=True, thresholds=((0.05, RED),), lines=True),
+                  "Share of each node's kv and text requests answered without their memory, by reason: deadline "
+                  "(RetrieveAndStage past --retrieve-timeout-s), unavailable (no memory-service replica answered), "
+                  "error (any other status; the x-inferscale-memory header names the code). Orange: 1% (alert "
+                  "InferScaleNodeMemoryDropped); red: 5% (InferScaleNodeMemoryServiceUnreachable).", "percentunit",
+                  (Query(f"sum by (instance, reason) (rate(inferscale_node_memory_dropped_total[{RATE}])) "
+                         f"/ on (instance) group_left "
+                         f"sum by (instance) (rate({MEMORY_REQUESTS}[{RATE}]))", "{{reason}} {{instance}}"),),
+                  ratio=True, thresholds=((0.01, ORANGE), (0.05, RED)), lines=True),
         )),
         Row("vLLM", (
             Panel("Time to first token", "vLLM's, from the request's arrival in vLLM (after the memory step).", "s",
@@ -404,6 +428,11 @@ def _thresholds(panel: Panel) -> dict[str, Any]:
     return {"mode": "absolute", "steps": steps}
 
 
+def _several_values(panel: Panel) -> bool:
+    """Whether the panel shows several series: several queries, or one split by a label its legend names."""
+    return len(panel.queries) > 1 or "{{" in panel.queries[0].legend
+
+
 def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": panel.unit, "thresholds": _thresholds(panel),
                                 "color": {"mode": "palette-classic"}}
@@ -414,7 +443,7 @@ def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
         options: dict[str, Any] = {
             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
             "colorMode": "background", "graphMode": "none", "justifyMode": "auto", "orientation": "auto",
-            "textMode": "value_and_name" if len(panel.queries) > 1 else "value"}
+            "textMode": "value_and_name" if _several_values(panel) else "value"}
     else:
         defaults["custom"] = {
             "drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if panel.stacked else 0, "showPoints": "never",

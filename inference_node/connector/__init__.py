@@ -4,29 +4,32 @@ precomputed, pre-RoPE fact KV instead of prefilling it.
 vLLM loads `InferScaleConnector` from this package (`kv_connector_module_path: inference_node.connector`). It is a
 thin façade, as vLLM's own NIXL connector is: in the scheduler process it holds an `InferScaleScheduler`
 (scheduler.py), in each worker an `InferScaleWorker` (worker.py). The two roles share no state; they talk only
-through the typed metadata (metadata.py: scheduler to workers, once per step) and vLLM's `KVConnectorOutput`
-(workers to scheduler: finished and failed loads); their counters travel as `LoadStats` (stats.py). The rest of the
-package serves the roles: the node cache (node_cache.py), staging and where missing KV comes from (staging.py,
-kv_source.py), composition into the paged cache (compose.py), tensor-parallel head shards (tensor_parallel.py) and
-benchmark load timing (load_timer.py). The load plan the scheduler verifies is the middleware's (inference_node.plan).
+through the typed metadata (metadata.py: scheduler to workers once per step, and the workers' prefetch reports back
+through vLLM's `KVConnectorOutput`, with the blocks of failed loads); their counters travel as `LoadStats`
+(stats.py). The rest of the package serves the roles: the node cache (node_cache.py), staging and where missing KV
+comes from (staging.py, kv_source.py), composition into the paged cache (compose.py), tensor-parallel head shards
+(tensor_parallel.py) and benchmark load timing (load_timer.py). The load plan the scheduler verifies is the
+middleware's (inference_node.plan).
 
-Contract of the hooks, as InferScale implements them:
-- `get_num_new_matched_tokens` (scheduler): side-effect free apart from a per-request memo of the verified plan;
-  the same answer for the same request within a step. It claims only what a *signed* plan proves against the
-  prompt's own token ids (inference_node.plan), and says "async" unless every chunk is resident in the node cache
-  and synchronous loads are allowed (NodeSettings.synchronous_loads: off on CUDA, where vLLM recomputes a refused
-  synchronous load wrongly, benchmarks/RESULTS.md, "Refused loads on the GPU"; an async load of resident chunks is
-  written in the same step it is sent).
-- `update_state_after_alloc` / `build_connector_meta` (scheduler): a load is sent to the workers exactly once,
-  also when a preempted request resumes (then with all of its new block ids); the node-cache evictions the
-  directory decided travel in the same metadata and are applied before any load of the step.
-- `update_connector_output` (scheduler): async loads settle here; a chunk becomes resident only when its load was
-  reported finished without failed blocks.
-- `start_load_kv` / `get_finished` (worker): never raise into the engine. A failed load is reported through
-  `get_block_ids_with_load_errors` (for an async load no later than the step that reports it finished) and, with
-  kv_load_failure_policy="recompute", vLLM prefills those tokens itself. A synchronous load never touches the
-  network: a chunk missing from the node cache fails it at once.
-- `request_finished` (scheduler): drops the request's memo and pending load; never delays freeing blocks.
+Contract of the hooks, as InferScale implements them (scheduler.py's docstring lists every way a load could fail
+and what closes it):
+- `get_num_new_matched_tokens` (scheduler): claims only what a *signed* plan proves against the prompt's own token
+  ids (inference_node.plan), and only once every chunk of it is resident in the node cache: then the load is
+  synchronous (never async). Otherwise it answers None (vLLM skips the request this step and asks again) and
+  orders the missing chunks prefetched, or, if a prefetch failed, timed out or cannot fit, claims nothing from then
+  on (vLLM prefills the prompt). Idempotent: its only effects are the request's holds on its chunks and the
+  prefetch of chunks nobody fetches yet, ordered once.
+- `update_state_after_alloc` / `build_connector_meta` (scheduler): a load is sent to the workers exactly once per
+  admission, in the step that schedules the request (also when a preempted request resumes, with its new block
+  ids), together with the step's evictions (applied first) and prefetches (started last).
+- `update_connector_output` (scheduler): the workers' prefetch reports (`build_connector_worker_meta`, summed over
+  ranks) settle chunks: resident once every rank fetched them. Failed blocks of a load are a defect: its chunks are
+  no longer trusted.
+- `start_load_kv` / `build_connector_worker_meta` (worker): never raise into the engine and never wait on the
+  network (prefetches run on fetch threads; the engine thread polls them). A load that fails anyway reports its
+  blocks through `get_block_ids_with_load_errors`, and with kv_load_failure_policy="fail" vLLM fails that request
+  with an error instead of recomputing it.
+- `request_finished` (scheduler): drops the request's state and holds; never delays freeing blocks.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -48,7 +52,6 @@ from inference_node.settings import NodeSettings
 from inferscale_kv.rope import check_rotary_supported
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -102,7 +105,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler role
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_role.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -132,16 +135,13 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker role
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_role.register_kv_caches(kv_caches)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if isinstance(metadata, InferScaleConnectorMetadata):
             self._worker_role.start_load_kv(metadata, forward_context)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker_role.get_finished()
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_role.build_worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_role.take_failed_blocks()

@@ -1,8 +1,8 @@
 """Where the worker role gets the fact KV its node cache misses, chosen once when the worker is built (`kv_source`):
 
-- `MemoryServiceKv` (serving): one streaming `FetchKv` call for all of a load's misses, each asked for by its full
+- `MemoryServiceKv` (serving): one streaming `FetchKv` call for all of a prefetch's chunks, each asked for by its full
   key (content id included); each blob is checked (checksum, key, token ids) and decoded on the host into a pinned
-  buffer, then copied to the device on a dedicated copy stream, so a fetch on the async path overlaps the engine's
+  buffer, then copied to the device on a dedicated copy stream, so a prefetch on a fetch thread overlaps the engine's
   compute. Device tensors made on the copy stream are recorded on the compute stream so that the allocator never
   reuses them under a kernel still reading them. Under tensor parallelism each rank keeps only its KV heads
   (`KvHeadShard`): it copies to its device that slice alone. The blob over the wire holds every head.

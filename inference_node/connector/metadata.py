@@ -1,11 +1,17 @@
-"""What the scheduler role sends the worker role, once per step (vLLM pickles it to every worker): the loads it
-decided and the node-cache evictions to apply before them."""
+"""What the two roles send each other, once per step.
+
+Scheduler to workers (`InferScaleConnectorMetadata`, pickled to every worker): the node-cache evictions the
+directory decided, the synchronous loads to write before this step's forward, and the prefetches to start on the
+workers' fetch threads, applied in that order. Workers to scheduler (`PrefetchReport`, summed across
+tensor-parallel ranks by vLLM's output aggregator): the prefetched chunks each rank settled this step.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
@@ -13,7 +19,8 @@ from inferscale_kv.kv_key import KvKey
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """One request's load: write the chunks' KV at prompt positions [start, end) into its blocks."""
+    """One request's synchronous load: write the chunks' KV at prompt positions [start, end) into its blocks, from
+    the node cache, before the forward of the step that admits the request."""
 
     request_id: str
     user_id: str
@@ -21,10 +28,32 @@ class LoadSpec:
     start: int  # first prompt position to write (tokens before it are in vLLM's prefix cache)
     end: int  # one past the last position to write
     block_ids: tuple[int, ...]
-    load_async: bool = False
+
+
+@dataclass(frozen=True)
+class PrefetchSpec:
+    """Fetch these chunks (one user's facts, and maybe the header) into every rank's node cache."""
+
+    user_id: str
+    chunks: tuple[ChunkLoad, ...]
 
 
 @dataclass
 class InferScaleConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    evictions: tuple[KvKey, ...] = ()  # node-cache entries to drop before this step's loads
+    evictions: tuple[KvKey, ...] = ()  # node-cache entries to drop first
+    loads: list[LoadSpec] = field(default_factory=list)  # then written, before the forward
+    prefetches: list[PrefetchSpec] = field(default_factory=list)  # then started on the fetch threads
+
+
+@dataclass
+class PrefetchReport(KVConnectorWorkerMetadata):
+    """Per chunk key, how many ranks finished prefetching it this step (fetched into their node cache, or failed)."""
+
+    fetched: Counter[KvKey] = field(default_factory=Counter)
+    failed: Counter[KvKey] = field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PrefetchReport:
+        if isinstance(other, PrefetchReport):
+            self.fetched.update(other.fetched)
+            self.failed.update(other.failed)
+        return self

@@ -1,22 +1,25 @@
 """The node cache of decoded fact KV (pre-RoPE keys, values on the device), in two halves:
 
 - `NodeCacheDirectory` (scheduler role) decides what the cache holds, within its byte budget: an entry becomes
-  resident only once a load that fetched it was reported finished and not failed, it is reserved while its fetch
-  is in flight, and it leaves only by the directory's eviction (sent to the workers with the step's metadata).
-  A synchronous load is planned only when every chunk is resident, so the engine step never waits on the network.
+  resident only once every rank reported its prefetch fetched, it is reserved while being fetched, and it leaves
+  only by the directory's eviction (sent to the workers with the step's metadata), never while a request holds it.
+  A load is declared only when every chunk is resident, so it never waits on the network.
 - `NodeKvCache` (worker role, one per rank) holds the entries; it never evicts on its own, and every lookup checks
   the entry's token ids against the chunk's.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from inference_node.connector.metadata import PrefetchReport, PrefetchSpec
+from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
 
 
@@ -76,19 +79,74 @@ class NodeKvCache:
         return self._bytes
 
 
-class NodeCacheDirectory:
-    """What every rank's node cache holds, LRU within `budget_bytes` per rank (scheduler role, one thread)."""
+@dataclass(frozen=True)
+class _Resident:
+    num_bytes: int
+    token_ids: tuple[int, ...]
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int) -> None:
+
+@dataclass
+class _Fetch:
+    """A prefetch in flight: reserved bytes, the token ids it was ordered with, and the ranks settled so far."""
+
+    num_bytes: int
+    token_ids: tuple[int, ...]
+    deadline: float
+    fetch_id: int
+    fetched: int = 0
+    failed: int = 0
+
+
+class NodeCacheDirectory:
+    """What every rank's node cache holds, LRU within `budget_bytes` per rank (scheduler role, one thread).
+
+    A chunk is resident once every one of the `ranks` reported its prefetch fetched (`settle`); while being fetched
+    it is reserved (its bytes count, it cannot be evicted); it leaves only by this directory's eviction, never while
+    a request holds it (`hold`). A key is known with one token-id tuple at a time (the one its prefetch was ordered
+    with). Evictions and prefetches are taken once per step into the connector metadata; workers apply a step's
+    evictions before its loads and its loads before its prefetches.
+    """
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1) -> None:
         self.budget_bytes = budget_bytes
         self.bytes_per_token = max(1, bytes_per_token)
-        self._resident: OrderedDict[KvKey, int] = OrderedDict()
-        self._reserved: dict[KvKey, int] = {}  # being fetched by in-flight loads: key -> bytes
-        self._holders: Counter[KvKey] = Counter()  # chunks of in-flight loads (fetched or not): never evicted
+        self.ranks = ranks
+        self._resident: OrderedDict[KvKey, _Resident] = OrderedDict()  # least recently used first
+        self._fetching: dict[KvKey, _Fetch] = {}
+        self._holds: Counter[KvKey] = Counter()
         self._evictions: list[KvKey] = []
+        self._prefetches: list[PrefetchSpec] = []
+        self._bytes = 0  # resident and being fetched
+        self._fetch_ids = itertools.count()
 
-    def is_resident(self, key: KvKey) -> bool:
-        return key in self._resident
+    def is_resident(self, chunk: ChunkLoad) -> bool:
+        """Every rank holds the chunk's key with the chunk's token ids."""
+        entry = self._resident.get(chunk.key)
+        return entry is not None and entry.token_ids == chunk.token_ids
+
+    def fetch_id(self, key: KvKey) -> int | None:
+        """The id of the prefetch of `key` in flight (every prefetch gets a new one), None if none is."""
+        fetch = self._fetching.get(key)
+        return fetch.fetch_id if fetch is not None else None
+
+    def fetch_expired(self, key: KvKey, now: float) -> bool:
+        fetch = self._fetching.get(key)
+        return fetch is not None and now > fetch.deadline
+
+    def knows_other_tokens(self, chunk: ChunkLoad) -> bool:
+        """The chunk's key is resident or being fetched with other token ids than the chunk's."""
+        known = self._resident.get(chunk.key) or self._fetching.get(chunk.key)
+        return known is not None and known.token_ids != chunk.token_ids
+
+    def hold(self, keys: Iterable[KvKey]) -> None:
+        """A request needs these keys: none of them is evicted until released."""
+        self._holds.update(keys)
+
+    def release(self, keys: Iterable[KvKey]) -> None:
+        for key in keys:
+            self._holds[key] -= 1
+            if self._holds[key] <= 0:
+                del self._holds[key]
 
     def touch(self, keys: Iterable[KvKey]) -> None:
         for key in keys:
@@ -97,50 +155,62 @@ class NodeCacheDirectory:
 
     @property
     def bytes_used(self) -> int:
-        return sum(self._resident.values()) + sum(self._reserved.values())
+        return self._bytes
 
-    def start_fetch(self, chunks: Iterable[tuple[KvKey, int]], protected: set[KvKey]) -> None:
-        """An async load is sent: its chunks are held until it settles, those not resident are reserved, and least
-        recently used unheld entries (never `protected`: this step's loads read them) are evicted to make room."""
-        for key, num_tokens in chunks:
-            self._holders[key] += 1
-            if key not in self._resident:
-                self._reserved.setdefault(key, num_tokens * self.bytes_per_token)
-        overflow = self.bytes_used - self.budget_bytes
-        for key in list(self._resident):
+    def prefetch(self, user_id: str, chunks: Sequence[ChunkLoad], deadline: float) -> bool:
+        """Orders `chunks` (neither resident nor being fetched) fetched into every rank's node cache, evicting least
+        recently used chunks that no request holds to make room; False, changing nothing, if they cannot fit."""
+        unique = list({chunk.key: chunk for chunk in chunks}.values())
+        sizes = [len(chunk.token_ids) * self.bytes_per_token for chunk in unique]
+        overflow = self.bytes_used + sum(sizes) - self.budget_bytes
+        victims = []
+        for key, entry in self._resident.items():
             if overflow <= 0:
                 break
-            if key in protected or key in self._holders:
-                continue
-            overflow -= self._resident.pop(key)
-            self._evictions.append(key)
+            if key not in self._holds:
+                victims.append(key)
+                overflow -= entry.num_bytes
+        if overflow > 0:
+            return False
+        for key in victims:
+            self._bytes -= self._resident.pop(key).num_bytes
+        self._evictions.extend(victims)
+        for chunk, size in zip(unique, sizes, strict=True):
+            self._fetching[chunk.key] = _Fetch(size, chunk.token_ids, deadline, next(self._fetch_ids))
+            self._bytes += size
+        self._prefetches.append(PrefetchSpec(user_id, tuple(unique)))
+        return True
 
-    def settle(self, keys: Iterable[KvKey], loaded: bool) -> None:
-        """An async load was reported finished: a successful one made its chunks resident; a failed one leaves
-        none of its fetched chunks behind (unless another in-flight load still holds them)."""
-        for key in keys:
-            self._holders[key] -= 1
-            if self._holders[key] <= 0:
-                del self._holders[key]
-            if key in self._resident:
+    def settle(self, report: PrefetchReport) -> None:
+        """Counts the ranks' reports; once every rank settled a chunk it is resident, or, if any rank failed it,
+        evicted from every rank (those that fetched it drop it)."""
+        for key in {*report.fetched, *report.failed}:
+            fetch = self._fetching.get(key)
+            if fetch is None:
                 continue
-            if loaded:
-                self._resident[key] = self._reserved.pop(key, 0)
-            elif key not in self._holders:
-                self._reserved.pop(key, None)
+            fetch.fetched += report.fetched[key]
+            fetch.failed += report.failed[key]
+            if fetch.fetched + fetch.failed < self.ranks:
+                continue
+            del self._fetching[key]
+            if fetch.failed:
+                self._bytes -= fetch.num_bytes
                 self._evictions.append(key)
+            else:
+                self._resident[key] = _Resident(fetch.num_bytes, fetch.token_ids)
 
     def drop(self, keys: Iterable[KvKey]) -> None:
-        """A synchronous load of these chunks failed: no longer trusted as resident."""
+        """A synchronous load of these chunks failed in a worker: no longer trusted, evicted from every rank."""
         for key in keys:
-            size = self._resident.pop(key, None)
-            if size is None:
-                continue
-            if key in self._holders:  # an in-flight load reads it: it settles it again
-                self._reserved.setdefault(key, size)
-            else:
+            entry = self._resident.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry.num_bytes
                 self._evictions.append(key)
 
-    def take_evictions(self) -> list[KvKey]:
-        evictions, self._evictions = self._evictions, []
+    def take_evictions(self) -> tuple[KvKey, ...]:
+        evictions, self._evictions = tuple(self._evictions), []
         return evictions
+
+    def take_prefetches(self) -> list[PrefetchSpec]:
+        prefetches, self._prefetches = self._prefetches, []
+        return prefetches

@@ -1,22 +1,70 @@
-"""The connector's scheduler role: which prompt prefix a request's signed plan proves, whether its load can run
-synchronously (every chunk resident in the node cache) or must wait for a fetch, and what the node cache holds.
+"""The connector's scheduler role: which prompt prefix a request's signed plan proves, and when to load it.
+
+Every load is synchronous (written before the forward of the step that admits the request) and declared only when
+it is proven to succeed: every chunk it reads is resident in every rank's node cache (node_cache.NodeCacheDirectory)
+and stays there until the load has been sent. A request whose chunks are not all resident is answered "not yet"
+(`None`: vLLM skips it this step, allocates nothing and asks again next step) while the step's metadata orders the
+missing chunks prefetched; the workers fetch them on their fetch threads and report each settled chunk back through
+vLLM's worker-to-scheduler channel (metadata.PrefetchReport), so the request is admitted, with its load, in the
+first step after they are resident. A prefetch that fails, times out or does not fit means the request claims
+nothing and vLLM prefills its prompt: no vLLM failure path is involved. The node runs with
+kv_load_failure_policy="fail", so a synchronous load that still fails in a worker (a defect) fails that one request
+with an error and never reaches vLLM's recompute of refused synchronous loads (wrong on vLLM 0.26: upstream issue
+49250, benchmarks/RESULTS.md, "Refused loads on the GPU").
+
+Every way a synchronous load could be refused or diverge, and what closes it here:
+1. A chunk missing from a rank's node cache (never fetched, evicted, or fetched by some ranks only): a load is
+   declared only when the directory holds every chunk resident; a chunk is resident only once every rank reported
+   it fetched; workers never evict on their own, only by the directory's evictions.
+2. A chunk evicted in the same step, or between the answer and the allocation: from the first answer that names a
+   chunk until its load is sent (or the request falls back or finishes) the request holds it, and held chunks are
+   never evicted; workers apply a step's evictions before its loads, so no load reads a chunk evicted after it.
+3. Token ids that differ: the plan is proven against the prompt's own token ids (plan.provable_prefix); the
+   directory knows a key with one token-id tuple, which the fetch checked against the blob; a request naming a
+   known key with other token ids claims nothing; every worker lookup checks them again.
+4. Slice bounds: the load spans vLLM's local hit to the proven end and reads the chunks covering it; a prefetched
+   entry is checked against the rank's KV shape and the model dtype before it counts as fetched, and every slice is
+   bounds-checked before a kernel reads it.
+5. A chunk partly in vLLM's prefix cache: the load starts at the local hit, mid-chunk if need be; only the chunks
+   holding positions at or after it must be resident.
+6. Preemption and resume: vLLM asks again for a resumed request; the decision is taken anew (its chunks may have
+   left: then it waits for a prefetch again) and the load goes to its new blocks.
+7. A full-prompt hit, which vLLM cannot take (it must compute one token: upstream issue 55113): the proven prefix
+   stops before the last prompt token, so local hit + claim < prompt length.
+8. A tensor-parallel rank that disagrees: resident needs every rank's report; a chunk any rank failed is evicted
+   from all; each rank holds and checks its own head shard.
+9. A prefetch that fails, or is not settled within fetch_timeout_s + PREFETCH_GRACE_S: the requests waiting for it
+   claim nothing and are prefilled by vLLM.
+10. A prefetch racing an eviction: a chunk being fetched cannot be evicted; a failed one is evicted only once every
+   rank settled it, and a later prefetch of it travels in the same or a later step, after the eviction.
+11. No room: a prefetch that cannot fit the budget after evicting every unheld chunk is not ordered; the request
+   claims nothing.
+12. Requests sharing chunks: a chunk is prefetched once; every request needing it waits for that fetch and holds it.
+13. A request aborted while its prefetch runs: its holds go; the prefetch settles on its own.
+14. What remains is a defect (a device error, an exception in the worker's write): vLLM fails that request
+   (FINISHED_ERROR) and the engine serves on; counted (load_defects), logged, and its chunks are no longer trusted
+   (the next request fetches them again).
 
 Runs in vLLM's EngineCore process on the scheduler's thread; nothing here touches the network or the device.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport
 from inference_node.connector.node_cache import NodeCacheDirectory
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import KvHeadShard
 from inference_node.plan import NO_PREFIX, ChunkLoad, PlanSigner, ProvenPrefix, plan_secret_from_env, provable_prefix
 from inference_node.settings import NodeSettings
+from inferscale_kv.kv_key import KvKey
 from inferscale_kv.shape import KvShape
 
 if TYPE_CHECKING:
@@ -27,24 +75,38 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-# Synchronous loads are remembered this long (in loads) so that a failure reported a step later finds them.
-_RECENT_SYNC_LOADS = 512
+# Beyond the fetch's own deadline: the worker's decode and device copy, and its turn on the fetch threads.
+PREFETCH_GRACE_S = 2.0
+# Sent loads are remembered this many steps, so that failed blocks reported later find their load.
+_RECENT_STEPS = 8
+
+
+@dataclass
+class _Admission:
+    """A request being decided: the chunks it holds, and the prefetch it waits for of each chunk that was not
+    resident when it needed it (the prefetch's id)."""
+
+    held: set[KvKey] = field(default_factory=set)
+    waited: dict[KvKey, int] = field(default_factory=dict)
+    looked_up: bool = False  # its chunks were counted in the node-cache lookups
 
 
 class InferScaleScheduler:
-    def __init__(self, vllm_config: VllmConfig, settings: NodeSettings) -> None:
+    def __init__(self, vllm_config: VllmConfig, settings: NodeSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.profile_id = settings.profile_id
-        self._synchronous_loads = settings.synchronous_loads
         self._signer = PlanSigner(plan_secret_from_env())
+        self._clock = clock
+        self._fetch_wait_s = settings.fetch_timeout_s + PREFETCH_GRACE_S
         tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
-                                             _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size))
+                                             _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size),
+                                             tensor_parallel_size)
         self._proofs: dict[str, ProvenPrefix] = {}  # request id -> what its plan proves of its prompt
-        self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last matching query
+        self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last answer
+        self._admissions: dict[str, _Admission] = {}
         self._pending: dict[str, LoadSpec] = {}  # decided by update_state_after_alloc, not yet sent
-        self._inflight: dict[str, LoadSpec] = {}  # async loads sent, not yet reported finished
-        self._failed_inflight: set[str] = set()  # of those, the ones some rank reported failed blocks for
-        self._recent_sync: OrderedDict[str, LoadSpec] = OrderedDict()
+        self._recent: deque[list[LoadSpec]] = deque(maxlen=_RECENT_STEPS)
         self._stats = LoadStats()
 
     def _proof(self, request: Request) -> ProvenPrefix:
@@ -54,13 +116,13 @@ class InferScaleScheduler:
             return memo
         proof = NO_PREFIX
         if request.kv_transfer_params:
-            plan = self._signer.verified(request.kv_transfer_params)
-            if plan is None or request.cache_salt != self._signer.cache_salt(plan):
+            verified = self._signer.verified_with_salt(request.kv_transfer_params)
+            if verified is None or request.cache_salt != verified[1]:
                 self._refuse(request, "unsigned, altered or malformed plan, or a salt the plan does not sign")
             elif getattr(request, "lora_request", None) is not None:
                 self._refuse(request, "LoRA request (fact KV is the base model's)")
             else:
-                proof = provable_prefix(request.prompt_token_ids or [], plan, self.profile_id)
+                proof = provable_prefix(request.prompt_token_ids or [], verified[0], self.profile_id)
         self._proofs[request.request_id] = proof
         return proof
 
@@ -69,15 +131,70 @@ class InferScaleScheduler:
         logger.warning("InferScale: request %s: load plan refused (%s); its prompt is prefilled",
                        request.request_id, why)
 
-    def _loads_async(self, chunks: tuple[ChunkLoad, ...]) -> bool:
-        """Synchronous only where allowed and every chunk is resident: it never fetches, so it cannot wait."""
-        return not (self._synchronous_loads and all(self._directory.is_resident(chunk.key) for chunk in chunks))
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The tokens a synchronous load will supply beyond vLLM's local hit, or None while the request waits for
+        its chunks to be prefetched. Never async. Its only effects are idempotent: the request's holds, and the
+        prefetch of chunks nobody fetches yet (ordered once)."""
         proof = self._proof(request)
         self._computed[request.request_id] = num_computed_tokens  # where a load allocated next would start
-        claim = max(0, proof.end - num_computed_tokens)
-        return claim, claim > 0 and self._loads_async(proof.chunks_from(num_computed_tokens))
+        if proof.end <= num_computed_tokens:
+            self._forget(request.request_id)
+            return 0, False
+        chunks = proof.chunks_from(num_computed_tokens)
+        why_not = self._why_not_loadable(request.request_id, proof.user_id, chunks)
+        if why_not is None:
+            return proof.end - num_computed_tokens, False
+        if why_not:
+            self._fall_back(request, why_not)
+            return 0, False
+        return None, False
+
+    def _why_not_loadable(self, request_id: str, user_id: str, chunks: tuple[ChunkLoad, ...]) -> str | None:
+        """None if every chunk is resident (the request now holds them); "" while it waits for prefetches (ordered
+        here when nobody fetches them yet); else why it cannot be loaded."""
+        directory = self._directory
+        if any(directory.knows_other_tokens(chunk) for chunk in chunks):
+            return "a chunk's key is known with other token ids"
+        admission = self._admissions.setdefault(request_id, _Admission())
+        new_holds = {chunk.key for chunk in chunks} - admission.held
+        directory.hold(new_holds)
+        admission.held |= new_holds
+        missing = [chunk for chunk in chunks if not directory.is_resident(chunk)]
+        if not admission.looked_up:
+            admission.looked_up = True
+            self._stats.add("node_cache_lookups", len(chunks))
+            self._stats.add("node_cache_hits", len(chunks) - len(missing))
+        if not missing:
+            return None
+        now = self._clock()
+        to_fetch = []
+        for chunk in missing:
+            fetch_id = directory.fetch_id(chunk.key)
+            if chunk.key in admission.waited and fetch_id != admission.waited[chunk.key]:
+                return "its prefetch failed"  # ended without making the chunk resident
+            if fetch_id is None:
+                to_fetch.append(chunk)
+            elif directory.fetch_expired(chunk.key, now):
+                return "its prefetch did not finish in time"
+        if to_fetch and not directory.prefetch(user_id, to_fetch, now + self._fetch_wait_s):
+            return "its chunks do not fit the node cache"
+        admission.waited.update({chunk.key: fetch_id for chunk in missing
+                                 if (fetch_id := directory.fetch_id(chunk.key)) is not None})
+        return ""
+
+    def _fall_back(self, request: Request, why: str) -> None:
+        """The request claims nothing from now on (also when resumed): vLLM prefills its prompt."""
+        self._stats.add("load_failures")
+        logger.warning("InferScale: request %s: memory not loaded (%s); its prompt is prefilled",
+                       request.request_id, why)
+        self._proofs[request.request_id] = NO_PREFIX
+        self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Releases the request's holds."""
+        admission = self._admissions.pop(request_id, None)
+        if admission is not None:
+            self._directory.release(admission.held)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decides the load vLLM just allocated for: positions [local hit, local hit + external tokens), into the
@@ -85,63 +202,52 @@ class InferScaleScheduler:
         computed = self._computed.pop(request.request_id, None)
         if num_external_tokens <= 0:
             self._pending.pop(request.request_id, None)
+            self._forget(request.request_id)
             return
         proof = self._proof(request)
         start = computed if computed is not None else proof.end - num_external_tokens
-        chunks = proof.chunks_from(start)  # those before `start` are in vLLM's prefix cache: not staged, not needed
+        chunks = proof.chunks_from(start)  # those before `start` are in vLLM's prefix cache: not needed
         self._pending[request.request_id] = LoadSpec(request.request_id, proof.user_id, chunks, start,
-                                                     start + num_external_tokens, tuple(blocks.get_block_ids()[0]),
-                                                     self._loads_async(chunks))
+                                                     start + num_external_tokens, tuple(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> InferScaleConnectorMetadata:
-        """Sends every load decided since the last step: a synchronous one's request is scheduled in this step (vLLM
-        allocates and schedules it together), an async one's waits for it."""
-        metadata = InferScaleConnectorMetadata(loads=list(self._pending.values()))
+        """This step's evictions, the loads decided in it (each request is scheduled in this same step) and the
+        prefetches ordered in it. A sent load's holds are released: a later eviction reaches the workers after it."""
+        loads = list(self._pending.values())
         self._pending.clear()
-        protected = {chunk.key for spec in metadata.loads for chunk in spec.chunks}
-        for spec in metadata.loads:
-            if spec.load_async:
-                self._inflight[spec.request_id] = spec
-                self._directory.start_fetch(((c.key, len(c.token_ids)) for c in spec.chunks), protected)
-            else:
-                self._directory.touch(chunk.key for chunk in spec.chunks)
-                self._recent_sync[spec.request_id] = spec
-                while len(self._recent_sync) > _RECENT_SYNC_LOADS:
-                    self._recent_sync.popitem(last=False)
-        metadata.evictions = tuple(self._directory.take_evictions())
-        return metadata
+        for spec in loads:
+            self._directory.touch(chunk.key for chunk in spec.chunks)
+            admission = self._admissions.get(spec.request_id)
+            if admission is not None and admission.waited:
+                self._stats.add("async_loads")
+            self._forget(spec.request_id)
+        self._recent.append(loads)
+        return InferScaleConnectorMetadata(evictions=self._directory.take_evictions(), loads=loads,
+                                           prefetches=self._directory.take_prefetches())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Settles async loads (resident only when finished without failed blocks) and stops trusting the chunks
-        of failed synchronous loads."""
+        """Settles the prefetches the workers report, and stops trusting the chunks of a load some worker failed
+        (a defect: vLLM fails that request under kv_load_failure_policy="fail")."""
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, PrefetchReport):
+            self._directory.settle(report)
         invalid = set(connector_output.invalid_block_ids or ())
-        failed = set(getattr(connector_output, "failed_recving", None) or ())
-        # Under tensor parallelism a rank's failed blocks arrive in the step that rank reports them, the request
-        # as finished only once every rank did: a failure seen earlier is remembered until the finish.
-        self._failed_inflight.update(req_id for req_id, spec in self._inflight.items()
-                                     if not invalid.isdisjoint(spec.block_ids))
-        for req_id in {*(connector_output.finished_recving or ()), *failed}:
-            spec = self._inflight.pop(req_id, None)
-            if spec is not None:
-                loaded = req_id not in failed and req_id not in self._failed_inflight
-                self._failed_inflight.discard(req_id)
-                self._directory.settle([chunk.key for chunk in spec.chunks], loaded)
-                if not loaded and req_id in self._proofs:
-                    self._proofs[req_id] = NO_PREFIX  # vLLM prefills it; a re-admitted request claims nothing
-        if invalid:
-            for req_id, spec in list(self._recent_sync.items()):
-                if not invalid.isdisjoint(spec.block_ids):
-                    self._directory.drop(chunk.key for chunk in spec.chunks)
-                    if req_id in self._proofs:
-                        self._proofs[req_id] = NO_PREFIX
-                    del self._recent_sync[req_id]
+        for loads in reversed(self._recent):  # a block's newest load is the one that failed (blocks get reused)
+            for spec in [spec for spec in loads if not invalid.isdisjoint(spec.block_ids)]:
+                invalid.difference_update(spec.block_ids)
+                loads.remove(spec)
+                self._stats.add("load_defects")
+                logger.error("InferScale defect: the synchronous load of request %s failed in a worker; vLLM fails "
+                             "the request (kv_load_failure_policy=fail). Its chunks are fetched again when next "
+                             "needed.", spec.request_id)
+                self._directory.drop(chunk.key for chunk in spec.chunks)
 
     def request_finished(self, request: Request) -> None:
-        # An async load in flight stays in _inflight: vLLM frees the blocks only once it is reported finished.
+        """Drops the request's state and holds; a prefetch it started settles on its own."""
         self._pending.pop(request.request_id, None)
         self._proofs.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
-        self._recent_sync.pop(request.request_id, None)
+        self._forget(request.request_id)
 
     def take_stats(self) -> LoadStats | None:
         if self._stats.is_empty():

@@ -1,7 +1,7 @@
 """The connector's telemetry, carried by vLLM's own channel: worker-side `LoadStats` travel with each model-runner
-output to the scheduler, are summed across workers, and reach the API server, where `ConnectorPromMetrics`
-turns them into Prometheus counters on vLLM's /metrics (counters with their denominators: hits and lookups,
-failures and loads)."""
+output to the scheduler, are summed across workers with the scheduler role's own, and reach the API server, where
+`ConnectorPromMetrics` turns them into Prometheus counters on vLLM's /metrics (counters with their denominators:
+hits and lookups, failures and loads)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 COUNTERS = {
-    "loads": "memory-prefix loads started (a request's header + facts)",
-    "async_loads": "loads that fetched from the memory service off the engine's step (async path)",
-    "load_failures": "loads that failed and were left to vLLM to recompute",
+    "loads": "memory-prefix loads (a request's header + facts), each written before the forward of the step that "
+             "admits its request",
+    "async_loads": "loads whose request first waited for its chunks to be prefetched into the node cache",
+    "load_failures": "requests whose memory could not be loaded (a prefetch failed, timed out or did not fit the node "
+                     "cache, or a chunk's token ids disagreed): vLLM prefilled their prompt",
+    "load_defects": "synchronous loads that failed in a worker (a defect): vLLM failed the request with an error",
     "tokens_loaded": "prompt tokens written from fact KV into the paged cache",
-    "node_cache_lookups": "chunk lookups in the node's device-resident fact-KV cache",
-    "node_cache_hits": "chunk lookups served by the node cache",
-    "facts_fetched": "chunks fetched from the memory service (node-cache misses)",
-    "sync_misses": "synchronous loads refused because a chunk was not in the node cache (recomputed, never fetched)",
+    "node_cache_lookups": "chunks requests needed when first asked for",
+    "node_cache_hits": "of those, chunks already resident in the node cache",
+    "facts_fetched": "chunks fetched from the memory service into a rank's node cache",
+    "sync_misses": "synchronous loads that found a chunk missing from a rank's node cache (a defect)",
     "plans_refused": "requests whose load plan was unsigned, altered, for another profile or salt, or with LoRA",
 }
 

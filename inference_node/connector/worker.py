@@ -1,12 +1,14 @@
-"""The connector's worker role: stages each load's chunks (node cache; for async loads also fetches), composes the
-prefix (gather + RoPE at the final positions with the model's own tables) and writes it into the request's blocks.
+"""The connector's worker role: writes each synchronous load's prefix (gather + RoPE at the final positions with
+the model's own tables) into the request's blocks from the node cache before the step's forward, and prefetches
+chunks into the node cache on fetch threads, reporting each settled chunk to the scheduler role.
 
-On CUDA with the cache in the model dtype one fused Triton kernel does both (`compose.compose_into_cache`);
+On CUDA with the cache in the model dtype one fused Triton kernel composes and writes (`compose.compose_into_cache`);
 elsewhere torch ops compose (`compose.compose_prefix`) and each attention layer's own `do_kv_cache_update`
-writes (CPU's packed layout, fp8 caches). Async loads are fetched on a thread and written in `get_finished` of a
-later step. Nothing raises into the engine: a failure marks the load's blocks for recompute. Counts reach
-Prometheus through vLLM's connector stats (stats.py). Where missing KV comes from and whether loads are timed are
-chosen once, when the worker is built (`from_settings`: kv_source.py, load_timer.py).
+writes (CPU's packed layout, fp8 caches). The engine thread never waits on the network: it only starts prefetches
+and polls them. Nothing raises into the engine: a load that fails (a defect, the scheduler proved its chunks
+resident) reports its blocks, and vLLM fails the request (kv_load_failure_policy="fail"). Counts reach Prometheus
+through vLLM's connector stats (stats.py). Where missing KV comes from and whether loads are timed are chosen once,
+when the worker is built (`from_settings`: kv_source.py, load_timer.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from vllm.logger import init_logger
 from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
 from inference_node.connector.kv_source import KvSource, kv_source
 from inference_node.connector.load_timer import LoadTimer, load_timer
-from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
 from inference_node.connector.node_cache import CachedKv, NodeKvCache
-from inference_node.connector.staging import KvStager, NotResident, StagedChunks
+from inference_node.connector.staging import KvStager, NotResident
 from inference_node.connector.stats import LoadStats
-from inference_node.connector.tensor_parallel import current_shard
+from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard, current_shard
 from inference_node.settings import NodeSettings
 from inferscale_kv.rope import RotaryTables
+from inferscale_kv.shape import KvShape
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,10 +38,12 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+FETCH_THREADS = 2
 
 
 class InferScaleWorker:
-    def __init__(self, vllm_config: VllmConfig, source: KvSource, timer: LoadTimer) -> None:
+    def __init__(self, vllm_config: VllmConfig, source: KvSource, timer: LoadTimer,
+                 shard: KvHeadShard = UNSHARDED) -> None:
         self.block_size = vllm_config.cache_config.block_size
         self._cache_dtype_is_model_dtype = vllm_config.cache_config.cache_dtype == "auto"
         self._model_config = vllm_config.model_config
@@ -48,11 +53,10 @@ class InferScaleWorker:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin on the device
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache()
-        self._stager = KvStager(self._cache, source)
+        self._stager = KvStager(self._cache, source, shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
         self._fetcher: ThreadPoolExecutor | None = None
-        self._inflight: dict[str, tuple[LoadSpec, Future[StagedChunks]]] = {}
-        self._staging_ms: dict[str, float] = {}  # async loads staged from the node cache: their staging time
+        self._prefetching: list[tuple[PrefetchSpec, Future[int]]] = []
         self._failed_blocks: set[int] = set()
         self._stats = LoadStats()
 
@@ -61,78 +65,63 @@ class InferScaleWorker:
         """The worker of this rank with the KV source and load timer the node's settings ask for: the memory
         service or synthetic KV (`synthetic_kv`), untimed or JSON-lines records (`load_stats_path`)."""
         shard = current_shard(vllm_config.parallel_config.tensor_parallel_size)
-        return cls(vllm_config, kv_source(settings, vllm_config.model_config.hf_config, shard), load_timer(settings))
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_caches = kv_caches
+        return cls(vllm_config, kv_source(settings, vllm_config.model_config.hf_config, shard), load_timer(settings),
+                   shard)
 
     def start_load_kv(self, metadata: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
-        """Applies the directory's evictions, writes every synchronous load before this step's forward (from the
-        node cache only) and starts the fetch of every async one. Never raises."""
+        """Applies the directory's evictions, writes every load before this step's forward (from the node cache
+        only), then starts the step's prefetches on the fetch threads. Never raises; never waits on the network."""
         self._cache.remove(metadata.evictions)
         for spec in metadata.loads:
             self._stats.add("loads")
-            if spec.load_async:
-                self._start_async(spec, forward_context)
-                continue
             try:
                 started = self._timer.now()
                 layers = self._attention_layers(forward_context)
-                device = _layer_cache(next(iter(layers.values()))).device
-                staged = self._stage(spec, device, may_fetch=False)
-                entries = self._count(staged)
+                entries = self._stager.resident(spec.chunks)
                 staged_at = self._timer.now()
                 self._write(spec, entries, layers)
-                self._timer.record(spec, (staged_at - started) * 1000, staged_at, staged.misses)
+                self._timer.record(spec, (staged_at - started) * 1000, staged_at)
             except NotResident as exc:
                 self._stats.add("sync_misses")
                 self._fail(spec, str(exc))
-            except Exception:  # never into the engine: report, and vLLM recomputes
-                logger.exception("InferScale: KV load failed for request %s", spec.request_id)
-                self._fail(spec, "see the traceback above")
+            except Exception as exc:  # never into the engine: report the blocks; vLLM fails the request
+                logger.exception("InferScale defect: the KV load of request %s raised", spec.request_id)
+                self._fail(spec, repr(exc))
+        for prefetch in metadata.prefetches:
+            self._start_prefetch(prefetch, forward_context)
 
-    def _start_async(self, spec: LoadSpec, forward_context: ForwardContext) -> None:
-        """Stages at once what the node cache holds (done by this step's get_finished), else fetches on a thread."""
+    def _start_prefetch(self, spec: PrefetchSpec, forward_context: ForwardContext) -> None:
+        """Fetches the chunks into the node cache on a fetch thread (reported by build_worker_meta)."""
+        future: Future[int]
         try:
-            layers = self._attention_layers(forward_context)
-            device = _layer_cache(next(iter(layers.values()))).device
-            try:
-                started = self._timer.now()
-                self._inflight[spec.request_id] = (spec, _done_future(self._stage(spec, device, may_fetch=False)))
-                self._staging_ms[spec.request_id] = (self._timer.now() - started) * 1000
-                return
-            except NotResident:
-                pass
+            device = _layer_cache(next(iter(self._attention_layers(forward_context).values()))).device
             if self._fetcher is None:
-                self._fetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inferscale-fetch")
+                self._fetcher = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="inferscale-fetch")
             compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            self._inflight[spec.request_id] = (spec, self._fetcher.submit(self._stage, spec, device, True,
-                                                                          compute_stream))
-        except Exception as exc:  # reported as a failed load in get_finished
-            self._inflight[spec.request_id] = (spec, _failed_future(exc))
+            future = self._fetcher.submit(self._stager.fetch, spec.user_id, spec.chunks, device, self._dtype,
+                                          compute_stream)
+        except Exception as exc:  # reported as a failed prefetch
+            future = Future()
+            future.set_exception(exc)
+        self._prefetching.append((spec, future))
 
-    def get_finished(self) -> set[str] | None:
-        """Writes the async loads whose fetch is done and reports them (failed ones too, with their blocks in
-        get_block_ids_with_load_errors of this same step)."""
-        done = set()
-        for req_id, (spec, future) in list(self._inflight.items()):
+    def build_worker_meta(self) -> PrefetchReport | None:
+        """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""
+        report, running = PrefetchReport(), []
+        for spec, future in self._prefetching:
             if not future.done():
+                running.append((spec, future))
                 continue
-            del self._inflight[req_id]
-            done.add(req_id)
-            self._stats.add("async_loads")
-            staging_ms = self._staging_ms.pop(req_id, None)  # None: fetched
+            keys = [chunk.key for chunk in spec.chunks]
             try:
-                staged = future.result()
-                entries = self._count(staged)
-                write_started = self._timer.now()
-                self._write(spec, entries, self._seen_layers())
-                if staging_ms is not None:
-                    self._timer.record(spec, staging_ms, write_started, staged.misses)
-            except Exception:  # never into the engine: report, and vLLM recomputes
-                logger.exception("InferScale: async KV load failed for request %s", spec.request_id)
-                self._fail(spec, "see the traceback above")
-        return done or None
+                self._stats.add("facts_fetched", future.result())
+                report.fetched.update(keys)
+            except Exception as exc:
+                logger.warning("InferScale: prefetch of %d chunks of user %s failed (%r); requests waiting for them "
+                               "are prefilled", len(keys), spec.user_id, exc)
+                report.failed.update(keys)
+        self._prefetching = running
+        return report if report.fetched or report.failed else None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -151,24 +140,10 @@ class InferScaleWorker:
     # ------------------------------------------------------------------ loading
 
     def _fail(self, spec: LoadSpec, why: str) -> None:
-        logger.warning("InferScale: KV load of request %s refused (%s); vLLM recomputes it", spec.request_id, why)
-        self._stats.add("load_failures")
+        logger.error("InferScale defect: the synchronous KV load of request %s failed (%s); vLLM fails the request",
+                     spec.request_id, why)
         first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
         self._failed_blocks.update(spec.block_ids[first : last + 1])
-
-    def _stage(self, spec: LoadSpec, device: torch.device, may_fetch: bool,
-               compute_stream: torch.cuda.Stream | None = None) -> StagedChunks:
-        """The chunks' KV from the node cache (fetching misses when `may_fetch`: fetch threads only)."""
-        if device.type == "cuda" and compute_stream is None:
-            compute_stream = torch.cuda.current_stream(device)
-        return self._stager.stage(spec.user_id, spec.chunks, device, self._dtype, compute_stream, may_fetch)
-
-    def _count(self, staged: StagedChunks) -> list[CachedKv]:
-        """Records a staging's lookups (engine thread only: the stats object is not shared with fetch threads)."""
-        self._stats.add("node_cache_lookups", staged.lookups)
-        self._stats.add("node_cache_hits", staged.hits)
-        self._stats.add("facts_fetched", staged.misses)
-        return staged.entries
 
     def _attention_layers(self, forward_context: ForwardContext) -> dict[int, Any]:
         if self._layers is None:
@@ -180,12 +155,6 @@ class InferScaleWorker:
             if not layers:
                 raise RuntimeError("no attention layers in the forward context")
             self._layers = dict(sorted(layers.items()))
-        return self._layers
-
-    def _seen_layers(self) -> dict[int, Any]:
-        """The attention layers found by an earlier start_load_kv (every async load's start looked them up)."""
-        if self._layers is None:
-            raise RuntimeError("no attention layers seen yet")
         return self._layers
 
     def _write(self, spec: LoadSpec, entries: list[CachedKv], layers: dict[int, Any]) -> None:
@@ -227,18 +196,6 @@ class InferScaleWorker:
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
         self._stats.add("tokens_loaded", count)
         self._timer.mark("write")
-
-
-def _done_future(result: Any) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future
-
-
-def _failed_future(error: Exception) -> Future:
-    future: Future = Future()
-    future.set_exception(error)
-    return future
 
 
 def _layer_cache(layer: Any) -> torch.Tensor:

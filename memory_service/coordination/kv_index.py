@@ -110,12 +110,15 @@ class KvIndex:
         return [KvKey(*row) for row in self._database.query(
             "SELECT profile_id, user_id, fact_id, version, content_id FROM kv_entries")]
 
-    def forget_entry(self, key: KvKey) -> None:
-        """Drops the entry (and its audit) if it is listed under exactly `key`."""
+    def forget_entry(self, key: KvKey) -> bool:
+        """Drops the entry (and its audit) if it is listed under exactly `key`; whether it was."""
         with self._database.transaction() as tx:
-            if tx.run("DELETE FROM kv_entries WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
-                      "AND content_id = ?", (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id)):
-                self._audits.unschedule(tx, key)
+            if not tx.run("DELETE FROM kv_entries WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND version = ? "
+                          "AND content_id = ?",
+                          (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id)):
+                return False
+            self._audits.unschedule(tx, key)
+            return True
 
     def forget_facts(self, user_id: str, fact_ids: Sequence[str] | None) -> list[KvKey]:
         """Drops jobs, entries, audits, bars and quarantined KV of the given facts (all of the user's when None), for

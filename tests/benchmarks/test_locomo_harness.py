@@ -143,7 +143,8 @@ def test_result_cache_resumes_the_rows_of_an_interrupted_run(tmp_path) -> None:
     first.put(_row("w=0", "a", 1, 1.0, 1.5, 1.0))
     first.put(_row("w=5", "a", 1, 1.0, 1.1, 1.0))
     resumed = ResultCache(path)
-    assert resumed.get("w=5", "a")["kv_nll"] == 1.1
+    row = resumed.get("w=5", "a")
+    assert row is not None and row["kv_nll"] == 1.1
     assert resumed.get("w=20", "a") is None
     assert len(resumed.rows) == 2
 

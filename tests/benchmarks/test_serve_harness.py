@@ -11,17 +11,12 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.dummy_model import build_dummy_model
-from benchmarks.serve import (
+from benchmarks.serve import cold_node_cache_mb, connector_phases, engine_ttft_ms, hit_rate, parse_counters, report
+from benchmarks.serve_requests import (
     Sample,
     arrival_offsets,
-    cold_node_cache_mb,
-    connector_phases,
-    engine_ttft_ms,
-    hit_rate,
     locomo_workload,
     memory_lost,
-    parse_counters,
-    report,
     summarize,
     synthetic_workload,
 )
@@ -191,6 +186,12 @@ def test_a_request_without_the_memory_its_contender_asked_for_is_named(summary, 
     assert memory_lost(summary, memory, expected_facts=20) == why
 
 
+def test_a_kv_request_the_connector_left_to_prefill_is_not_a_kv_result() -> None:
+    summary = {"mode": "kv", "facts": 20, "kv_facts": 20, "injectable_tokens": 700}
+    assert memory_lost(summary, KV, 20, cached_tokens=704) is None
+    assert memory_lost(summary, KV, 20, cached_tokens=0) == "0 of 700 injectable tokens loaded (prefilled instead)"
+
+
 def test_requests_that_lost_their_memory_are_counted_apart_and_never_in_the_figures() -> None:
     def sample(seconds: float, lost: str | None) -> Sample:
         return Sample("kv", 20, seconds, seconds, 0.01, seconds + 0.1, 700 if lost is None else 40, 0, lost)
@@ -200,3 +201,12 @@ def test_requests_that_lost_their_memory_are_counted_apart_and_never_in_the_figu
     assert row["lost_memory_examples"] == ["memory service: DEADLINE_EXCEEDED"]
     assert row["query_to_first_token_ms"]["p99"] < 100 and row["mean_prompt_tokens"] == 700
     assert math.isnan(row["throughput_rps"])  # it covers every request: withheld
+
+
+def test_no_ratio_is_drawn_from_a_row_whose_requests_lost_their_memory(capsys) -> None:
+    lost = {**_row(0.5, 1.0), "lost_memory": 3, "lost_memory_examples": ["memory service: DEADLINE_EXCEEDED"]}
+    report({"kv": {"50": lost}, "text": {"50": _row(4)}, "off": {"50": _row(0.5)}}, "test")
+    out = capsys.readouterr().out
+    assert "kv/text: n/a (requests lost their memory: not a result)" in out
+    assert "kv/text: query-to-first-token" not in out and "kv - off:" not in out
+    assert "Requests that lost their memory" in out

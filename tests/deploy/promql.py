@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 # Words followed by a parenthesized list of label names, not of expressions.
 _GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-_KEYWORDS = {"and", "or", "unless", "bool", "inf", "nan"}
+# Keywords, and the grouping modifiers where written without a label list (`on (instance) group_left`).
+_KEYWORDS = {"and", "or", "unless", "bool", "inf", "nan", "group_left", "group_right"}
 _COMPARISONS = {"==", "!=", ">", "<", ">=", "<="}
 
 _TOKEN = re.compile(r"""

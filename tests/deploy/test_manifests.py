@@ -1,6 +1,7 @@
 """deploy/: the Kubernetes manifests validate offline, and every port, probe, flag and environment name in them is
 one the programs accept; the memory service runs as replicas sharing PostgreSQL and an object store, whose in-cluster
-stand-ins the shared-state Secret names; the Dockerfiles lint clean and name only paths and programs that exist."""
+stand-ins the shared-state Secret names; the inference nodes run as a fleet behind vLLM's router, which finds them by
+label and hashes the header they check; the Dockerfiles lint clean and name only paths and programs that exist."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import inspect
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -68,7 +71,9 @@ def _environment(container: dict) -> dict[str, str]:
 
 def _memory(quantity: str) -> int:
     """A Kubernetes memory quantity (binary suffixes, as the manifests write them) in bytes."""
-    number, suffix = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", quantity).groups()
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", quantity)
+    assert match is not None, quantity
+    number, suffix = match.groups()
     return int(number) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[suffix]
 
 
@@ -314,7 +319,7 @@ def test_services_route_to_named_container_ports():
                  for obj in _objects() if obj["kind"] in WORKLOAD_KINDS}
     services = [obj for obj in _objects() if obj["kind"] == "Service"]
     assert {service["metadata"]["name"] for service in services} >= {
-        "memory-service", "memory-service-headless", "inference-node", *STORES}
+        "memory-service", "memory-service-headless", "inference-node", "inference-router", *STORES}
     for service in services:
         workload = workloads[service["spec"]["selector"]["app.kubernetes.io/name"]]
         (container,) = workload["spec"]["template"]["spec"]["containers"]
@@ -388,6 +393,79 @@ def test_inference_node_probes_health_with_a_startup_allowance_for_model_load():
     shm_mount = next(mount for mount in container["volumeMounts"] if mount["mountPath"] == "/dev/shm")
     assert volumes[shm_mount["name"]]["emptyDir"]["medium"] == "Memory"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_inference_nodes_run_as_a_fleet_behind_a_headless_service_and_drain_when_stopped():
+    deployment = _find("Deployment", "inference-node")
+    assert deployment["spec"]["replicas"] >= 2
+    headless = _find("Service", "inference-node")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert not headless["spec"].get("publishNotReadyAddresses", False)
+    assert headless["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    # Stopping: the preStop sleep lets the router drop the deleted pod, then vLLM finishes its requests in flight
+    # (--shutdown-timeout; 0 would abort them) and tears the engine down, all before the kubelet's SIGKILL.
+    container = _container("Deployment", "inference-node")
+    args = container["args"]
+    drain_s = int(args[args.index("--shutdown-timeout") + 1])
+    sleep_command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep_command[0] == "sleep" and drain_s > 0
+    grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace_s >= int(sleep_command[1]) + drain_s + 15  # the engine's teardown after the drain
+
+
+def _router() -> tuple[dict, Any]:
+    """The router's container and its flags as its own launcher parses them."""
+    from vllm_router.launch_router import parse_router_args
+
+    container = _container("Deployment", "inference-router")
+    assert container["command"] == ["vllm-router"]
+    return container, parse_router_args(container["args"])
+
+
+def test_router_hashes_the_user_header_the_nodes_check_over_the_ready_nodes_it_finds_by_label():
+    from harness.router import FAILOVER_FLAGS, USER_HEADER
+
+    container, args = _router()
+    assert args.policy == "consistent_hash"
+    assert _environment(_container("Deployment", "inference-node"))["INFERSCALE_NODE_USER_HEADER"] == USER_HEADER
+    assert args.service_discovery and args.service_discovery_namespace == NAMESPACE
+    node_labels = _find("Deployment", "inference-node")["spec"]["template"]["metadata"]["labels"]
+    router_labels = _find("Deployment", "inference-router")["spec"]["template"]["metadata"]["labels"]
+    assert args.selector and all(node_labels.get(key) == value for key, value in args.selector.items())
+    assert not all(router_labels.get(key) == value for key, value in args.selector.items())
+    assert args.service_discovery_port == _container_ports(_container("Deployment", "inference-node"))["http"]
+    given = container["args"]  # the failover the fleet tests exercise (tests/inference_node/test_fleet_routing.py)
+    for flag, value in zip(FAILOVER_FLAGS[::2], FAILOVER_FLAGS[1::2], strict=True):
+        assert given[given.index(flag) + 1] == value, flag
+    ports = _container_ports(container)
+    assert (args.host, args.port) == ("0.0.0.0", ports["http"])
+    assert (args.prometheus_host, args.prometheus_port) == ("0.0.0.0", ports["metrics"])
+    annotations = _find("Deployment", "inference-router")["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == args.prometheus_port
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+
+
+def test_router_may_watch_the_pods_of_its_namespace_and_nothing_else():
+    account = _find("Deployment", "inference-router")["spec"]["template"]["spec"]["serviceAccountName"]
+    _find("ServiceAccount", account)
+    assert not [obj for obj in _objects() if obj["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    (binding,) = [obj for obj in _objects() if obj["kind"] == "RoleBinding" and any(
+        subject["kind"] == "ServiceAccount" and subject["name"] == account for subject in obj["subjects"])]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    role = _find(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
+def test_router_image_ships_the_release_the_fleet_tests_run():
+    import importlib.metadata
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = [requirement for requirement in extras["test"] if requirement.startswith("vllm-router")]
+    version = pin.split("==")[1]
+    assert importlib.metadata.version("vllm-router") == version
+    assert f"pip install {pin}" in (REPO_ROOT / "deploy" / "docker" / "router.Dockerfile").read_text()
+    assert _container("Deployment", "inference-router")["image"].endswith(f":{version}")
 
 
 def test_every_pod_runs_as_non_root():

@@ -116,7 +116,26 @@ def test_every_alert_has_a_severity_a_summary_and_says_what_to_look_at_first():
     named = {selector.metric for rule in alert_rules() for selector in selectors(rule["expr"])}
     assert {"inferscale_kv_queue_lag_seconds", "inferscale_connector_load_failures_total",
             "inferscale_connector_plans_refused_total", "inferscale_rpc_requests_total",
-            "inferscale_node_stage_seconds_bucket", "inferscale_node_retrieve_errors_total", "up"} <= named
+            "inferscale_node_stage_seconds_bucket", "inferscale_node_memory_dropped_total", "up"} <= named
+
+
+def test_dropped_memory_is_watched_by_the_reasons_the_node_counts():
+    """The node's drop reasons as the queries select them: only reasons the middleware counts, a deadline alert and
+    an unreachable alert of their own, and an alert on every reason together."""
+    from inference_node.middleware import DROP_DEADLINE, DROP_REASONS, DROP_UNAVAILABLE
+
+    metric = "inferscale_node_memory_dropped_total"
+    reasons_by_alert: dict[str, set[str]] = {}
+    for where, found in _all_selectors():
+        for selector in found:
+            if selector.metric != metric:
+                continue
+            matchers = [matcher for matcher in selector.matchers if matcher.label == "reason"]
+            assert all(matcher.op == "=" and matcher.value in DROP_REASONS for matcher in matchers), where
+            reasons_by_alert.setdefault(where, set()).update(matcher.value for matcher in matchers)
+    alerts = {rule["alert"] for rule in alert_rules()}
+    watched = {frozenset(reasons) for where, reasons in reasons_by_alert.items() if where in alerts}
+    assert {frozenset({DROP_DEADLINE}), frozenset({DROP_UNAVAILABLE}), frozenset()} <= watched  # () = every reason
 
 
 def test_latency_thresholds_follow_the_node_default_deadline():
@@ -198,17 +217,18 @@ def test_dashboards_and_alerts_cover_what_the_issue_asks():
             "inferscale_facts_stored", "inferscale_turns_stored", "inferscale_kv_queue_facts",
             "inferscale_kv_queue_lag_seconds", "inferscale_worker_facts_per_second",
             "inferscale_worker_device_memory_used_bytes", "inferscale_worker_device_utilization_percent",
-            "inferscale_kv_tier_bytes", "inferscale_kv_tier_hits_total", "up"},
+            "inferscale_kv_tier_bytes", "inferscale_kv_tier_hits_total", "inferscale_kv_bytes_read_total",
+            "inferscale_kv_bytes_served_total", "up"},
         "inferscale-inference-node.json": {
             "inferscale_node_memory_requests_total", "inferscale_connector_tokens_loaded_total",
             "vllm:prompt_tokens_total", "inferscale_connector_node_cache_hits_total",
             "inferscale_connector_async_loads_total", "inferscale_connector_load_failures_total",
             "inferscale_connector_plans_refused_total", "inferscale_node_stage_seconds_bucket",
-            "inferscale_node_retrieve_errors_total", "vllm:time_to_first_token_seconds_bucket",
+            "inferscale_node_memory_dropped_total", "vllm:time_to_first_token_seconds_bucket",
             "vllm:request_queue_time_seconds_bucket"},
         "inferscale-overview.json": {
             "inferscale_connector_tokens_loaded_total", "vllm:time_to_first_token_seconds_bucket",
-            "inferscale_node_stage_seconds_bucket", "inferscale_node_retrieve_errors_total", "up"},
+            "inferscale_node_stage_seconds_bucket", "inferscale_node_memory_dropped_total", "up"},
     }
     for dashboard, metrics in wanted.items():
         assert metrics <= {metric for name, metric in named if name == dashboard}, dashboard

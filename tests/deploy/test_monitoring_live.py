@@ -182,6 +182,14 @@ def test_every_panel_query_returns_a_value(stack: Stack) -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_the_traffic_fetches_kv_so_the_read_panels_show_reads(stack: Stack) -> None:
+    """ben's first kv request finds the node cache cold: the node fetches his facts' KV while Prometheus watches,
+    so the bytes-read and bytes-served panels show a rate above 0, not only a value."""
+    for counter in ("inferscale_kv_bytes_read_total", "inferscale_kv_bytes_served_total"):
+        assert _value(stack.prometheus, f"sum(increase({counter}[5m]))") > 0, counter
+    assert _value(stack.prometheus, 'sum(increase(inferscale_rpc_requests_total{method="FetchKv",code="OK"}[5m]))') > 0
+
+
 def test_every_alert_expression_evaluates_and_its_signal_returns_series(stack: Stack) -> None:
     problems = []
     for rule in alert_rules():

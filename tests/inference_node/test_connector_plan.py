@@ -4,7 +4,7 @@ inside vLLM's scheduler)."""
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inference_node.plan import (
@@ -14,6 +14,7 @@ from inference_node.plan import (
     PlanHeader,
     PlanSigner,
     ProvenPrefix,
+    _canonical,
     provable_prefix,
     strip_client_plans,
 )
@@ -105,7 +106,8 @@ json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=10)
-look_alikes = st.sampled_from([True, False, 1.0, 1, "1", None, [], {}])  # equal to a valid value in Python, not JSON
+# Equal to a valid value in Python, not in JSON:
+look_alikes: st.SearchStrategy[object] = st.sampled_from([True, False, 1.0, 1, "1", None, [], {}])
 token_ids = st.lists(st.integers(-3, 200), max_size=4).map(tuple)
 plans = st.builds(LoadPlan, st.text(max_size=5), st.text(max_size=5),
                   st.builds(PlanHeader, st.text(max_size=5), token_ids),
@@ -147,6 +149,15 @@ def test_any_wire_value_is_refused_or_parsed_to_a_plan_whose_wire_form_is_the_sa
         provable_prefix(PROMPT, spoiled, PROFILE)
 
 
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(plan=plans)
+@example(plan=LoadPlan("p\x7f", "u\n\x00\"\\", PlanHeader("", (2**70, -1)), ()))  # json escapes each
+@example(plan=LoadPlan("p", "\u00fc", PlanHeader("", ()), ()))
+def test_the_canonical_form_is_jsons_sorted_compact_dump_of_any_plan(plan) -> None:
+    """Signatures and salts are HMACs of these bytes: the fast encoder must write json's, escapes included."""
+    assert _canonical(plan.to_wire()) == json.dumps(plan.to_wire(), sort_keys=True, separators=(",", ":")).encode()
+
+
 def test_a_typed_plan_survives_its_wire_form() -> None:
     plan = _plan(("a", FACT_A), ("b", FACT_B))
     assert LoadPlan.from_wire(json.loads(json.dumps(plan.to_wire()))) == plan
@@ -172,6 +183,20 @@ def test_the_cache_salt_is_bound_to_the_plan_and_the_secret() -> None:
     assert salt.startswith("isk-") and salt == SIGNER.cache_salt(_plan(("a", FACT_A)))
     assert salt != SIGNER.cache_salt(_plan(("b", FACT_B)))
     assert salt != PlanSigner(b"o" * 32).cache_salt(plan)
+
+
+def test_equal_tokens_under_one_salt_are_the_same_kv_so_reused_blocks_are_never_another_facts() -> None:
+    """Injected blocks are reused only by a request of the very same plan: the same tokens with other KV (another
+    context window's encoding, a fact re-encoded after its turns changed, another version), a plan that leaves a
+    fact to prefill (a recomputed tail), or another user's plan, are each salted apart (why a user-wide salt would
+    not be safe: PlanSigner.cache_salt)."""
+    plan = _plan(("a", FACT_A))
+    header = PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER))
+    other_kv = LoadPlan(PROFILE, "u1", header, (PlanFact("a", 1, content_id(PROFILE, [7], FACT_A), tuple(FACT_A)),))
+    re_encoded = LoadPlan(PROFILE, "u1", header, (PlanFact("a", 2, plan.facts[0].content_id, tuple(FACT_A)),))
+    header_only = LoadPlan(PROFILE, "u1", header, ())  # the fact left to prefill
+    salts = {SIGNER.cache_salt(p) for p in (plan, other_kv, re_encoded, header_only, _plan(("a", FACT_A), user="u2"))}
+    assert len(salts) == 5 and SIGNER.cache_salt(_plan(("a", FACT_A))) in salts
 
 
 def test_client_plans_and_reserved_salts_are_stripped_at_any_depth() -> None:

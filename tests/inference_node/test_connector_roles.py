@@ -1,7 +1,11 @@
-"""The scheduler role on its own (vLLM's Request and scheduler output stand-ins carry only the fields it reads),
-the engine-start refusals, and the node's device-memory carve-out."""
+"""The scheduler role on its own (vLLM's Request, scheduler output and connector output stand-ins carry only the
+fields it reads; `_step` plays one pass of vLLM's scheduler), the engine-start refusals, and the node's device-memory
+carve-out."""
 
+import json
+from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -9,10 +13,11 @@ from transformers import LlamaConfig
 
 from inference_node.__main__ import within_gpu_memory_budget
 from inference_node.connector import check_supported
-from inference_node.connector.scheduler import InferScaleScheduler
-from inference_node.plan import PLAN_SECRET_ENV, LoadPlan, PlanFact, PlanHeader, PlanSigner
+from inference_node.connector.metadata import InferScaleConnectorMetadata, PrefetchReport
+from inference_node.connector.scheduler import PREFETCH_GRACE_S, InferScaleScheduler
+from inference_node.plan import PLAN_SECRET_ENV, ChunkLoad, LoadPlan, PlanFact, PlanHeader, PlanSigner
 from inference_node.settings import NodeSettings
-from inferscale_kv.kv_key import content_id
+from inferscale_kv.kv_key import KvKey, content_id
 from inferscale_kv.rope import UnsupportedRotary
 
 PROFILE = "kvp-roles"
@@ -29,26 +34,50 @@ def _model_config(**overrides) -> SimpleNamespace:
     return SimpleNamespace(hf_config=hf_config, dtype=torch.float32)
 
 
-def _vllm_config(pipeline_parallel_size: int = 1, **model_overrides) -> SimpleNamespace:
-    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1,
+def _vllm_config(pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, **model_overrides) -> Any:
+    """vLLM's config as the connector reads it (a stand-in: only those fields)."""
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size,
                                                            pipeline_parallel_size=pipeline_parallel_size),
                            model_config=_model_config(**model_overrides), speculative_config=None)
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def scheduler(monkeypatch) -> InferScaleScheduler:
+def clock() -> _Clock:
+    return _Clock()
+
+
+def _scheduler(monkeypatch, clock: _Clock, tensor_parallel_size: int = 1, node_cache_mb: int = 1,
+               fetch_timeout_s: float = 10.0) -> InferScaleScheduler:
     monkeypatch.setenv(PLAN_SECRET_ENV, SECRET.hex())
     settings = NodeSettings(memory_service="-", node_id="n", model_dir="-", profile={"profile_id": PROFILE},
-                            node_cache_mb=1, synchronous_loads=True)
-    return InferScaleScheduler(_vllm_config(), settings)
+                            node_cache_mb=node_cache_mb, fetch_timeout_s=fetch_timeout_s)
+    return InferScaleScheduler(_vllm_config(tensor_parallel_size=tensor_parallel_size), settings, clock=clock)
+
+
+@pytest.fixture
+def scheduler(monkeypatch, clock) -> InferScaleScheduler:
+    return _scheduler(monkeypatch, clock)
+
+
+def _plan(fact: tuple[int, ...] = tuple(FACT), content: str | None = None) -> LoadPlan:
+    return LoadPlan(PROFILE, "u1", PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER)),
+                    (PlanFact("f", 1, content or content_id(PROFILE, HEADER, list(fact)), fact),))
 
 
 def _request(request_id: str, signer: PlanSigner = SIGNER, salt: str | None = None, lora=None,
-             sign: bool = True) -> SimpleNamespace:
-    plan = LoadPlan(PROFILE, "u1", PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER)),
-                    (PlanFact("f", 1, content_id(PROFILE, HEADER, FACT), tuple(FACT)),))
+             sign: bool = True, plan: LoadPlan | None = None, prompt: list[int] | None = None) -> Any:
+    """A vLLM Request as the scheduler role reads it."""
+    plan = plan or _plan()
     params = signer.kv_transfer_params(plan) if sign else {"inferscale": {"plan": plan.to_wire()}}
-    return SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=PROMPT,
+    return SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=prompt or PROMPT,
                            cache_salt=signer.cache_salt(plan) if salt is None else salt, lora_request=lora)
 
 
@@ -57,9 +86,8 @@ def _refused(scheduler: InferScaleScheduler) -> int:
     return 0 if stats is None else stats.data["plans_refused"]
 
 
-def test_a_signed_plan_with_its_own_salt_claims_the_memory_prefix(scheduler) -> None:
-    claim, load_async = scheduler.get_num_new_matched_tokens(_request("r1"), 0)
-    assert claim == len(HEADER + FACT) and load_async  # nothing resident yet: the fetch goes async
+def test_a_signed_plan_with_its_own_salt_claims_the_memory_prefix_once_resident(scheduler) -> None:
+    assert scheduler.get_num_new_matched_tokens(_request("r1"), 0) == (None, False)  # prefetch first
     assert _refused(scheduler) == 0
 
 
@@ -75,74 +103,188 @@ def test_refused_plans_claim_nothing_and_are_counted(scheduler, request_kwargs) 
     assert _refused(scheduler) == 1
 
 
-def _send(scheduler: InferScaleScheduler, request: SimpleNamespace) -> None:
-    """Admits the request with its claim, as vLLM's scheduler does, and builds the step's metadata."""
-    claim, _ = scheduler.get_num_new_matched_tokens(request, 0)
-    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), claim)
-    output = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
-    assert [spec.request_id for spec in scheduler.build_connector_meta(output).loads] == [request.request_id]
+_NO_OUTPUT: Any = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
 
 
-def test_a_chunk_counts_resident_only_once_its_async_load_finished(scheduler) -> None:
-    _send(scheduler, _request("r1"))
-    # Sent but not finished: a second request must not load synchronously.
-    assert scheduler.get_num_new_matched_tokens(_request("r2"), 0)[1] is True
-    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
-    assert scheduler.get_num_new_matched_tokens(_request("r3"), 0) == (len(HEADER + FACT), False)
+def _connector_output(report: PrefetchReport | None, invalid_block_ids: set[int]) -> Any:
+    """vLLM's KVConnectorOutput as the scheduler role reads it."""
+    return SimpleNamespace(kv_connector_worker_meta=report, invalid_block_ids=invalid_block_ids)
 
 
-def test_chunks_already_in_vllms_prefix_cache_are_neither_staged_nor_needed_resident(scheduler) -> None:
+def _blocks(*block_ids: int) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(block_ids),))
+
+
+def _step(scheduler: InferScaleScheduler, *requests: Any, local_hit: int = 0,
+          allocate: bool = True) -> tuple[dict[str, int | None], InferScaleConnectorMetadata]:
+    """One pass of vLLM's scheduler over waiting requests: ask, skip on None, allocate and tell the connector
+    (unless `allocate` is False: no free blocks), then build the step's metadata."""
+    answers: dict[str, int | None] = {}
+    for request in requests:
+        claim, load_async = scheduler.get_num_new_matched_tokens(request, local_hit)
+        assert load_async is False  # never async
+        answers[request.request_id] = claim
+        if claim is not None and allocate:
+            scheduler.update_state_after_alloc(request, _blocks(0, 1, 2), claim)
+    return answers, scheduler.build_connector_meta(_NO_OUTPUT)
+
+
+def _settle(scheduler: InferScaleScheduler, metadata: InferScaleConnectorMetadata, failed: bool = False,
+            ranks: int = 1, invalid_blocks: frozenset[int] = frozenset()) -> None:
+    """The workers' report of every prefetch in `metadata`, as vLLM's aggregator sums it over `ranks`."""
+    keys = Counter({chunk.key: ranks for spec in metadata.prefetches for chunk in spec.chunks})
+    report = PrefetchReport(failed=keys) if failed else PrefetchReport(fetched=keys)
+    scheduler.update_connector_output(_connector_output(report, set(invalid_blocks)))
+
+
+def _stats(scheduler: InferScaleScheduler) -> dict[str, int]:
+    stats = scheduler.take_stats()
+    return dict(stats.data) if stats is not None else {}
+
+
+MEMORY = len(HEADER + FACT)
+
+
+def test_a_cold_request_waits_for_its_prefetch_then_loads_synchronously_in_its_admission_step(scheduler) -> None:
+    answers, metadata = _step(scheduler, _request("r1"))
+    assert answers == {"r1": None} and metadata.loads == []
+    (prefetch,) = metadata.prefetches
+    assert prefetch.user_id == "u1" and [chunk.key.fact_id for chunk in prefetch.chunks] == ["header", "f"]
+    assert _step(scheduler, _request("r1"))[0] == {"r1": None}  # still fetching: asked again, ordered once
+    _settle(scheduler, metadata)
+    answers, metadata = _step(scheduler, _request("r1"))
+    (load,) = metadata.loads
+    assert answers == {"r1": MEMORY} and metadata.prefetches == []
+    assert (load.start, load.end, load.block_ids) == (0, MEMORY, (0, 1, 2))
+    warm_answers, warm = _step(scheduler, _request("r2"))  # resident: admitted with its load at the first ask
+    assert warm_answers == {"r2": MEMORY} and len(warm.loads) == 1 and warm.prefetches == []
+    stats = _stats(scheduler)
+    assert (stats["async_loads"], stats["node_cache_lookups"], stats["node_cache_hits"]) == (1, 4, 2)
+
+
+def test_requests_sharing_chunks_wait_for_one_prefetch(scheduler) -> None:
+    answers, metadata = _step(scheduler, _request("r1"), _request("r2"))
+    assert answers == {"r1": None, "r2": None} and len(metadata.prefetches) == 1
+    _settle(scheduler, metadata)
+    answers, metadata = _step(scheduler, _request("r1"), _request("r2"))
+    assert answers == {"r1": MEMORY, "r2": MEMORY} and len(metadata.loads) == 2
+
+
+@pytest.mark.parametrize("outcome", ["failed", "timed-out", "no-room"])
+def test_a_request_whose_prefetch_fails_times_out_or_cannot_fit_claims_nothing_and_is_prefilled(
+        monkeypatch, clock, outcome) -> None:
+    scheduler = _scheduler(monkeypatch, clock, node_cache_mb=0 if outcome == "no-room" else 1, fetch_timeout_s=1)
     request = _request("r1")
-    assert scheduler.get_num_new_matched_tokens(request, len(HEADER)) == (len(FACT), True)
-    scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],)), len(FACT))
-    output = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
-    (spec,) = scheduler.build_connector_meta(output).loads
-    assert [chunk.key.fact_id for chunk in spec.chunks] == ["f"] and (spec.start, spec.end) == (4, 7)
-    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
-    # The fact is resident now, the header never was: a request with the header cached locally loads at once.
-    assert scheduler.get_num_new_matched_tokens(_request("r2"), len(HEADER)) == (len(FACT), False)
-    assert scheduler.get_num_new_matched_tokens(_request("r3"), 0)[1] is True
+    answers, metadata = _step(scheduler, request)
+    if outcome == "failed":
+        _settle(scheduler, metadata, failed=True)
+        # Another request orders the chunks again before r1 is asked: r1 still learns that its prefetch failed.
+        assert _step(scheduler, _request("r0"))[1].evictions  # a failed chunk leaves the ranks that fetched it
+    elif outcome == "timed-out":
+        clock.now += 1 + PREFETCH_GRACE_S + 0.1
+    if outcome != "no-room":
+        assert answers == {"r1": None}
+        answers, metadata = _step(scheduler, request)
+    assert answers == {"r1": 0} and metadata.loads == []
+    assert _stats(scheduler).get("load_failures") == 1
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # also when preempted and resumed
 
 
-def test_a_failed_async_load_leaves_its_chunks_cold_and_its_request_unclaimed(scheduler) -> None:
+def test_a_load_failed_on_one_rank_leaves_its_chunks_cold(monkeypatch, clock) -> None:
+    """Under tensor parallelism a chunk is resident only once every rank fetched it; a chunk one rank failed is
+    evicted from all (regression, first for async loads: the chunks became resident and the next load ran
+    synchronously against a rank that lacked them)."""
+    scheduler = _scheduler(monkeypatch, clock, tensor_parallel_size=2)
+    _, metadata = _step(scheduler, _request("r1"))
+    keys = Counter(chunk.key for spec in metadata.prefetches for chunk in spec.chunks)
+    scheduler.update_connector_output(_connector_output(PrefetchReport(fetched=keys), set()))
+    assert _step(scheduler, _request("r2"))[0] == {"r2": None}  # one rank of two: not resident
+    scheduler.update_connector_output(_connector_output(PrefetchReport(failed=keys), set()))
+    answers, metadata = _step(scheduler, _request("r1"), _request("r3"))
+    assert answers == {"r1": 0, "r3": None}  # r1 waited for it: prefilled; r3 orders it again
+    assert set(metadata.evictions) == set(keys) and len(metadata.prefetches) == 1  # evicted first, then fetched
+
+
+def test_chunks_are_held_from_the_answer_until_the_load_is_sent(monkeypatch, clock) -> None:
+    """A chunk answered for cannot be evicted before its load reaches the workers, not even when vLLM has no
+    blocks for the request this step (the answer is given again next step)."""
+    scheduler = _scheduler(monkeypatch, clock)
+    _, metadata = _step(scheduler, _request("r1"))
+    _settle(scheduler, metadata)
+    assert len(_step(scheduler, _request("r1"))[1].loads) == 1
+    answers, metadata = _step(scheduler, _request("r2"), allocate=False)
+    assert answers == {"r2": MEMORY} and metadata.loads == []
+    directory = scheduler._directory
+    assert not directory.prefetch("u9", [ChunkLoad(KvKey(PROFILE, "u9", "big", 1, "c" * 32), tuple(range(2042)), 0)],
+                                  deadline=10.0)  # no room without evicting r2's held chunks: refused
+    assert _step(scheduler, _request("r2"))[0] == {"r2": MEMORY}
+    assert directory.prefetch("u9", [ChunkLoad(KvKey(PROFILE, "u9", "big", 1, "c" * 32), tuple(range(2042)), 0)],
+                              deadline=10.0)  # r2's load was sent: its chunks may go (after it, in worker order)
+
+
+def test_chunks_already_in_vllms_prefix_cache_are_neither_loaded_nor_needed_resident(scheduler) -> None:
     request = _request("r1")
-    _send(scheduler, request)
-    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids={1}))
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # vLLM recomputes it
-    assert scheduler.get_num_new_matched_tokens(_request("r2"), 0)[1] is True
+    answers, metadata = _step(scheduler, request, local_hit=len(HEADER))
+    assert answers == {"r1": None} and [c.key.fact_id for c in metadata.prefetches[0].chunks] == ["f"]
+    _settle(scheduler, metadata)
+    answers, metadata = _step(scheduler, request, local_hit=len(HEADER))
+    (spec,) = metadata.loads
+    assert answers == {"r1": len(FACT)} and [chunk.key.fact_id for chunk in spec.chunks] == ["f"]
+    assert (spec.start, spec.end) == (4, 7)
+    assert _step(scheduler, _request("r2"))[0] == {"r2": None}  # the header was never fetched
 
 
-def test_a_load_failed_on_one_rank_stays_failed_when_the_last_rank_reports_it_finished(scheduler) -> None:
-    """Regression: under tensor parallelism vLLM passes a rank's failed blocks on in the step that rank reports
-    them, but the request as finished only once every rank did; the finished step carried no failed blocks, so
-    the chunks became resident and the next load ran synchronously against a rank that lacks them."""
+def test_a_local_hit_inside_a_chunk_loads_from_there_and_nothing_past_the_last_prompt_token(scheduler) -> None:
+    """vLLM cannot take a full-prompt hit (upstream issue 55113): a prompt that is all memory claims all but its
+    last token."""
+    prompt = HEADER + FACT
+    answers, metadata = _step(scheduler, _request("r1", prompt=prompt))
+    _settle(scheduler, metadata)
+    answers, metadata = _step(scheduler, _request("r1", prompt=prompt), local_hit=2)
+    (spec,) = metadata.loads
+    assert answers == {"r1": MEMORY - 1 - 2} and (spec.start, spec.end) == (2, MEMORY - 1)
+    assert [chunk.key.fact_id for chunk in spec.chunks] == ["header", "f"]
+
+
+def test_a_known_key_with_other_token_ids_is_not_claimed(scheduler) -> None:
+    _, metadata = _step(scheduler, _request("r1"))
+    _settle(scheduler, metadata)
+    other = (10, 11, 13)  # the same key (content id) for other tokens: a defect of whoever made the plan
+    plan = _plan(other, content=content_id(PROFILE, HEADER, FACT))
+    assert _step(scheduler, _request("r2", plan=plan, prompt=HEADER + list(other) + [99]))[0] == {"r2": 0}
+    assert _stats(scheduler)["load_failures"] == 1
+
+
+def test_a_request_aborted_while_its_prefetch_runs_leaves_the_chunks_to_settle(scheduler) -> None:
     request = _request("r1")
-    _send(scheduler, request)
-    scheduler.update_connector_output(SimpleNamespace(finished_recving=set(), invalid_block_ids={1}))
-    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
-    assert scheduler.get_num_new_matched_tokens(_request("r2"), 0)[1] is True  # still cold: async again
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # vLLM recomputes it
+    _, metadata = _step(scheduler, request)
+    scheduler.request_finished(request)
+    _settle(scheduler, metadata)
+    assert _step(scheduler, _request("r2"))[0] == {"r2": MEMORY}
+    assert not scheduler._directory._holds  # nobody holds anything once the loads were sent
 
 
-def test_without_synchronous_loads_resident_chunks_load_on_the_async_path(monkeypatch) -> None:
-    monkeypatch.setenv(PLAN_SECRET_ENV, SECRET.hex())
-    settings = NodeSettings(memory_service="-", node_id="n", model_dir="-", profile={"profile_id": PROFILE},
-                            node_cache_mb=1, synchronous_loads=False)
-    scheduler = InferScaleScheduler(_vllm_config(), settings)
-    _send(scheduler, _request("r1"))
-    scheduler.update_connector_output(SimpleNamespace(finished_recving={"r1"}, invalid_block_ids=set()))
-    assert scheduler.get_num_new_matched_tokens(_request("r2"), 0) == (len(HEADER + FACT), True)
+def test_a_failed_synchronous_load_is_a_defect_its_chunks_are_fetched_again(scheduler) -> None:
+    _, metadata = _step(scheduler, _request("r1"))
+    _settle(scheduler, metadata)
+    _, metadata = _step(scheduler, _request("r1"))
+    scheduler.update_connector_output(_connector_output(None, {1}))
+    assert _stats(scheduler)["load_defects"] == 1
+    answers, metadata = _step(scheduler, _request("r2"))
+    assert answers == {"r2": None} and len(metadata.evictions) == 2 and len(metadata.prefetches) == 1
 
 
-@pytest.mark.parametrize(("flag", "device_bytes", "synchronous"), [
-    ("auto", None, True), ("auto", 80 * (1 << 30), False), ("on", 80 * (1 << 30), True), ("off", None, False)])
-def test_synchronous_loads_are_off_on_cuda_unless_asked_for(tiny_llama_dir, monkeypatch, flag, device_bytes,
-                                                             synchronous) -> None:
+def test_the_synchronous_loads_flag_is_deprecated_and_changes_nothing(tiny_llama_dir, monkeypatch, capsys) -> None:
     import inference_node.__main__ as node_main
 
-    monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: device_bytes)
-    settings = node_main.plan_launch(["--model", str(tiny_llama_dir), "--synchronous-loads", flag]).settings
-    assert settings.synchronous_loads is synchronous
+    monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: 80 * (1 << 30))
+    default = node_main.plan_launch(["--model", str(tiny_llama_dir)])
+    for flag in ("on", "off"):
+        launch = node_main.plan_launch(["--model", str(tiny_llama_dir), "--synchronous-loads", flag])
+        assert launch.settings == default.settings
+        assert "deprecated" in capsys.readouterr().err
+    transfer = json.loads(default.command[default.command.index("--kv-transfer-config") + 1])
+    assert transfer["kv_load_failure_policy"] == "fail"
 
 
 def test_engine_start_refuses_pipeline_parallelism_and_unsupported_rotary() -> None:
@@ -173,7 +315,7 @@ def test_engine_start_refuses_speculative_decoding_and_other_kv_cache_layouts() 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64)
 
-    def layout(*specs) -> SimpleNamespace:
+    def layout(*specs) -> Any:
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
 
     check_supported(_vllm_config(), layout(full))

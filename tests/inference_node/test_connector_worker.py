@@ -1,13 +1,16 @@
-"""The worker role on its own (CPU, stand-ins for vLLM's config and attention layers), with the KV source and load
-timer the node's settings choose at construction: synthetic KV of this rank's shape, and one JSON line per load
-staged from the node cache."""
+"""The worker role on its own (CPU, stand-ins for vLLM's config and attention layers): prefetches on fetch threads,
+checked before they enter the node cache, loads from the node cache alone, and the KV source and load timer the
+node's settings choose at construction (synthetic KV of this rank's shape; one JSON line per load)."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +18,9 @@ from transformers import LlamaConfig
 
 from inference_node.connector.kv_source import MemoryServiceKv, SyntheticKv, kv_source
 from inference_node.connector.load_timer import UNTIMED, JsonLinesLoadTimer, load_timer
-from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec
-from inference_node.connector.tensor_parallel import KvHeadShard
+from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
+from inference_node.connector.node_cache import CachedKv
+from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard
 from inference_node.connector.worker import InferScaleWorker
 from inference_node.plan import ChunkLoad
 from inference_node.settings import NodeSettings
@@ -28,7 +32,7 @@ HF_CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_hea
                         num_hidden_layers=LAYERS, intermediate_size=128, vocab_size=128)
 CHUNKS = (ChunkLoad(KvKey("p", HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "a" * 32), (1, 2, 3), 0),
           ChunkLoad(KvKey("p", "u1", "f", 1, "b" * 32), (10, 11, 12, 13), 3))
-RECORD_FIELDS = ["request_id", "tokens", "chunks", "ms", "node_cache_misses", "stage_ms", "compose_ms", "write_ms"]
+RECORD_FIELDS = ["request_id", "tokens", "chunks", "ms", "stage_ms", "compose_ms", "write_ms"]
 
 
 def _settings(**overrides) -> NodeSettings:
@@ -57,21 +61,32 @@ def layers() -> dict[str, _AttentionLayer]:
 
 
 def _worker(settings: NodeSettings) -> InferScaleWorker:
-    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
+    vllm_config: Any = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
                                   model_config=SimpleNamespace(hf_config=HF_CONFIG, dtype=torch.float32,
                                                                max_model_len=64),
                                   parallel_config=SimpleNamespace(tensor_parallel_size=1))
     return InferScaleWorker.from_settings(vllm_config, settings)
 
 
-def _load(worker: InferScaleWorker, layers: dict, request_id: str, load_async: bool) -> set[str] | None:
-    spec = LoadSpec(request_id, "u1", CHUNKS, 0, 7, (5, 6), load_async)
-    worker.start_load_kv(InferScaleConnectorMetadata(loads=[spec]), SimpleNamespace(no_compile_layers=layers))
-    finished, deadline = worker.get_finished(), time.monotonic() + 30
-    while load_async and finished is None and time.monotonic() < deadline:  # an async fetch: on a thread
+def _forward_context(layers: dict) -> Any:
+    """vLLM's forward context as the worker role reads it."""
+    return SimpleNamespace(no_compile_layers=layers)
+
+
+def _prefetch(worker: InferScaleWorker, layers: dict, chunks=CHUNKS) -> PrefetchReport:
+    """Starts a prefetch of `chunks` in a step's metadata, then polls the worker's report as later steps do."""
+    metadata = InferScaleConnectorMetadata(prefetches=[PrefetchSpec("u1", chunks)])
+    worker.start_load_kv(metadata, _forward_context(layers))
+    deadline = time.monotonic() + 30
+    while (report := worker.build_worker_meta()) is None and time.monotonic() < deadline:
         time.sleep(0.01)
-        finished = worker.get_finished()
-    return finished
+    assert report is not None
+    return report
+
+
+def _load(worker: InferScaleWorker, layers: dict, request_id: str) -> None:
+    spec = LoadSpec(request_id, "u1", CHUNKS, 0, 7, (5, 6))
+    worker.start_load_kv(InferScaleConnectorMetadata(loads=[spec]), _forward_context(layers))
 
 
 def test_the_settings_choose_the_kv_source_and_the_load_timer_once(tmp_path: Path) -> None:
@@ -86,42 +101,108 @@ def test_the_settings_choose_the_kv_source_and_the_load_timer_once(tmp_path: Pat
     assert isinstance(timer, JsonLinesLoadTimer) and timer.path == str(tmp_path / "loads.jsonl")
 
 
-def test_a_timed_worker_records_each_load_staged_from_the_node_cache(tmp_path: Path, layers) -> None:
+def test_a_timed_worker_records_each_load(tmp_path: Path, layers) -> None:
     stats_path = tmp_path / "loads.jsonl"
     worker = _worker(_settings(synthetic_kv=True, load_stats_path=str(stats_path)))
-    assert _load(worker, layers, "cold", load_async=True) == {"cold"}  # fetched (synthetic): not recorded
-    assert _load(worker, layers, "sync", load_async=False) is None  # written before the forward
-    assert _load(worker, layers, "warm", load_async=True) == {"warm"}  # resident: staged at once
+    report = _prefetch(worker, layers)  # fetched (synthetic) on a fetch thread: not a load
+    assert report.fetched == Counter(chunk.key for chunk in CHUNKS) and not report.failed
+    _load(worker, layers, "first")  # written before the forward, from the node cache
+    _load(worker, layers, "second")
     assert worker.take_failed_blocks() == set()
     records = [json.loads(line) for line in stats_path.read_text().splitlines()]
-    assert [record["request_id"] for record in records] == ["sync", "warm"]
+    assert [record["request_id"] for record in records] == ["first", "second"]
     for record in records:
         assert list(record) == RECORD_FIELDS
-        assert (record["tokens"], record["chunks"], record["node_cache_misses"]) == (7, 2, 0)
+        assert (record["tokens"], record["chunks"]) == (7, 2)
         assert record["ms"] == pytest.approx(record["stage_ms"] + record["compose_ms"] + record["write_ms"])
         assert min(record["stage_ms"], record["compose_ms"], record["write_ms"]) >= 0
     slots = (20, 21, 22, 23, 24, 25, 26)  # positions 0..6 in blocks 5 and 6
-    assert all(layer.written == [slots] * 3 for layer in layers.values())
+    assert all(layer.written == [slots] * 2 for layer in layers.values())
     stats = worker.take_stats()
     assert stats is not None and {name: stats.data[name] for name in (
-        "loads", "async_loads", "facts_fetched", "node_cache_hits", "tokens_loaded", "load_failures")} == {
-        "loads": 3, "async_loads": 2, "facts_fetched": 2, "node_cache_hits": 4, "tokens_loaded": 21,
-        "load_failures": 0}
+        "loads", "facts_fetched", "tokens_loaded", "sync_misses")} == {
+        "loads": 2, "facts_fetched": 2, "tokens_loaded": 14, "sync_misses": 0}
 
 
 def test_an_untimed_worker_writes_no_records(tmp_path: Path, layers, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     worker = _worker(_settings(synthetic_kv=True))
-    assert _load(worker, layers, "cold", load_async=True) == {"cold"}
-    assert _load(worker, layers, "sync", load_async=False) is None
+    _prefetch(worker, layers)
+    _load(worker, layers, "sync")
     assert list(tmp_path.iterdir()) == []
-    assert all(len(layer.written) == 2 for layer in layers.values())
+    assert all(len(layer.written) == 1 for layer in layers.values())
 
 
-def test_a_synchronous_load_of_chunks_the_node_cache_lacks_fails_without_fetching(layers) -> None:
+def test_a_load_of_chunks_the_node_cache_lacks_fails_without_fetching(layers) -> None:
     worker = _worker(_settings(synthetic_kv=True))
-    assert _load(worker, layers, "sync", load_async=False) is None
+    _load(worker, layers, "sync")
     assert worker.take_failed_blocks() == {5, 6}
     stats = worker.take_stats()
     assert stats is not None and (stats.data["sync_misses"], stats.data["facts_fetched"]) == (1, 0)
     assert all(layer.written == [] for layer in layers.values())
+    assert worker.build_worker_meta() is None  # nothing was fetched
+
+
+class _Source:
+    """A KV source that records the threads it is called on and gives what `make` returns."""
+
+    def __init__(self, make) -> None:
+        self.make, self.threads = make, list[str]()
+
+    def fetch(self, user_id, chunks, device, dtype, compute_stream):
+        self.threads.append(threading.current_thread().name)
+        return self.make(chunks)
+
+
+def _worker_with(source: _Source, shard: KvHeadShard = UNSHARDED) -> InferScaleWorker:
+    vllm_config: Any = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK_SIZE, cache_dtype="auto"),
+                                  model_config=SimpleNamespace(hf_config=HF_CONFIG, dtype=torch.float32,
+                                                               max_model_len=64),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=shard.size))
+    return InferScaleWorker(vllm_config, source, UNTIMED, shard)
+
+
+def test_prefetches_run_on_fetch_threads_and_a_failed_one_puts_nothing_in_the_node_cache(layers) -> None:
+    def refuse(chunks):
+        raise LookupError("memory service unreachable")
+
+    failing = _Source(refuse)
+    worker = _worker_with(failing)
+    report = _prefetch(worker, layers)
+    assert report.failed == Counter(chunk.key for chunk in CHUNKS) and not report.fetched
+    assert failing.threads and all(name.startswith("inferscale-fetch") for name in failing.threads)
+    _load(worker, layers, "r1")  # were it declared anyway (a defect): refused, never fetched on the engine thread
+    assert worker.take_failed_blocks() == {5, 6} and len(failing.threads) == 1
+
+
+@pytest.mark.parametrize("wrong", ["heads", "dtype", "tokens"])
+def test_a_prefetched_entry_of_another_shape_dtype_or_tokens_fails_the_prefetch(layers, wrong) -> None:
+    def make(chunks):
+        entries = []
+        for chunk in chunks:
+            heads, dtype, tokens = KV_HEADS, torch.float32, chunk.token_ids
+            if wrong == "heads":
+                heads = 1
+            elif wrong == "dtype":
+                dtype = torch.bfloat16
+            else:
+                tokens = tuple(token + 1 for token in tokens)
+            shape = (LAYERS, len(tokens), heads, HEAD_DIM)
+            entries.append(CachedKv(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), tokens))
+        return entries
+
+    worker = _worker_with(_Source(make))
+    report = _prefetch(worker, layers)
+    assert report.failed and not report.fetched
+    _load(worker, layers, "r1")
+    assert worker.take_failed_blocks() == {5, 6}  # nothing of it entered the node cache
+
+
+def test_each_rank_checks_its_own_head_shard(layers) -> None:
+    synthetic_half = SyntheticKv(KvHeadShard(1, 2).of(KvShape.from_config(HF_CONFIG)))
+    worker = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.device("cpu"),
+                                                                      torch.float32, None)), KvHeadShard(1, 2))
+    assert _prefetch(worker, layers).fetched
+    full = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.device("cpu"),
+                                                                    torch.float32, None)))
+    assert _prefetch(full, layers).failed  # a rank holding every head refuses half of them

@@ -1,9 +1,11 @@
-"""The node cache as vLLM's engine sees it (real vLLM in one process, see engine_scenario.py): a synchronous load
-never fetches, and anything the worker's cache lacks or holds stale is refused and recomputed."""
+"""Every way a synchronous load could be refused or diverge, injected into real vLLM in one process (see
+harness/engine_scenario.py; the memory service is real): each output equals the same prompt prefilled as text, or,
+for a defect, the request fails with an error and the engine serves the next one."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from inferscale.v1 import memory_pb2 as pb
 from tests.conftest import run_worker
 
 USER = "engine-user"
+BLOCK_SIZE = 32  # the scenario's
 
 
 @pytest.fixture(scope="module")
@@ -25,39 +28,92 @@ def scenario(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory) -
     result = subprocess.run(
         [sys.executable, "-m", "harness.engine_scenario", "service", node_memory_service.address,
          str(tiny_llama_dir), metrics, USER], capture_output=True, text=True, timeout=900, cwd=".",
-        env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(work_dir),
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(work_dir),
              "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, (result.stdout[-3000:], result.stderr[-6000:])
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def _equals_text(step: dict, text: dict) -> None:
-    assert step["tokens"] == text["tokens"]
-    assert max(abs(a - b) for a, b in zip(step["logprobs"], text["logprobs"], strict=False)) <= 1e-4
+def _equals(step: dict, reference: dict) -> None:
+    assert step["finish_reason"] == reference["finish_reason"] == "length"
+    assert step["tokens"] == reference["tokens"]
+    assert max(abs(a - b) for a, b in zip(step["logprobs"], reference["logprobs"], strict=True)) <= 1e-4
 
 
-def test_a_cold_load_fetches_and_makes_its_chunks_resident(scenario) -> None:
+STEPS = ("cold", "warm", "shared", "shared_1", "intruder", "partial_hit", "full_prompt", "mismatch", "fetch_fails",
+         "fetch_slow", "aborted", "lost", "after_lost", "stale", "after_stale", "device_error", "after_device_error")
+
+
+def test_no_load_is_ever_async_and_only_fetch_threads_fetch(scenario) -> None:
     assert scenario["kv_facts"] == 1 and scenario["chunks"] == 2
-    assert scenario["cold"]["fetches"] >= 1 and scenario["cold"]["external_tokens"] > 0
-    assert all(scenario["cold"]["resident_after"])
-    _equals_text(scenario["cold"], scenario["text"])
+    assert not any(scenario[step]["async"] for step in STEPS)  # never WAITING_FOR_REMOTE_KVS
+    assert scenario["fetch_threads"] and all(name.startswith("inferscale-fetch") for name in scenario["fetch_threads"])
 
 
-def test_a_chunk_the_directory_holds_resident_but_the_worker_lacks_is_recomputed_without_a_fetch(scenario) -> None:
-    assert all(scenario["lost_resident_before"])  # so the load was synchronous
-    assert scenario["lost"]["fetches"] == 0  # nothing on the engine thread reached the memory service
-    _equals_text(scenario["lost"], scenario["text"])
-    assert not any(scenario["lost"]["resident_after"])  # no longer trusted: the next load goes async
-    assert scenario["refetch"]["fetches"] >= 1 and all(scenario["refetch"]["resident_after"])
-    _equals_text(scenario["refetch"], scenario["text"])
+def test_a_cold_request_waits_for_its_prefetch_then_loads_synchronously(scenario) -> None:
+    cold = scenario["cold"]
+    assert cold["waits"] >= 1 and cold["claims"] == [scenario["memory_tokens"]] and cold["fetches"] >= 1
+    assert all(cold["resident_after"]) and cold["admitted_after"] > 1
+    _equals(cold, scenario["text"])
 
 
-def test_a_stale_entry_shorter_than_its_chunk_is_refused_and_recomputed(scenario) -> None:
-    assert all(scenario["stale_resident_before"]) and scenario["stale"]["fetches"] == 0
-    _equals_text(scenario["stale"], scenario["text"])
+def test_a_warm_request_is_admitted_with_its_load_in_its_first_step_like_one_without_memory(scenario) -> None:
+    warm, off = scenario["warm"], scenario["off"]
+    assert warm["waits"] == 0 and warm["claims"] == [scenario["memory_tokens"]] and warm["fetches"] == 0
+    assert warm["admitted_after"] == off["admitted_after"] == 1
+    _equals(warm, scenario["text"])
 
 
-def test_every_refused_load_is_reported_to_vllm(scenario) -> None:
-    assert scenario["cold"]["loads_refused"] == 0 and scenario["refetch"]["loads_refused"] == 0
-    assert scenario["lost"]["loads_refused"] == 1 and scenario["stale"]["loads_refused"] == 1
+def test_requests_sharing_chunks_wait_for_one_prefetch(scenario) -> None:
+    assert scenario["shared"]["fetch_attempts"] == 1 and scenario["shared"]["waits"] >= 1
+    for step in ("shared", "shared_1"):
+        _equals(scenario[step], scenario["text"])
+
+
+def test_chunks_answered_for_are_not_evicted_before_their_load(scenario) -> None:
+    assert scenario["intruder_admitted"] is False
+    assert scenario["intruder"]["claims"] == [scenario["memory_tokens"]]
+    _equals(scenario["intruder"], scenario["text"])
+
+
+def test_a_load_starting_inside_a_chunk_after_vllms_prefix_cache_hit(scenario) -> None:
+    (claim,) = scenario["partial_hit"]["claims"]
+    assert claim == scenario["memory_tokens"] - BLOCK_SIZE > 0
+    _equals(scenario["partial_hit"], scenario["text_other"])
+
+
+def test_a_prompt_that_is_all_memory_claims_all_but_its_last_token(scenario) -> None:
+    assert scenario["full_prompt"]["claims"] == [scenario["memory_tokens"] - 1]
+    _equals(scenario["full_prompt"], scenario["text_full_prompt"])
+
+
+def test_a_resident_key_named_with_other_token_ids_is_not_claimed(scenario) -> None:
+    assert scenario["mismatch"]["claims"] == [0] and scenario["mismatch"]["fetch_attempts"] == 0
+    _equals(scenario["mismatch"], scenario["text_mismatch"])
+
+
+def test_a_prefetch_that_fails_or_outlasts_the_wait_leaves_the_request_to_vllms_prefill(scenario) -> None:
+    for step in ("fetch_fails", "fetch_slow"):
+        assert scenario[step]["waits"] >= 1 and scenario[step]["claims"] == [0], step
+        assert not any(scenario[step]["resident_after"])
+        _equals(scenario[step], scenario["text"])
+    assert all(scenario["fetch_slow_resident_later"])  # the slow fetch still settled
+
+
+def test_a_request_aborted_while_its_prefetch_runs_leaves_the_fetch_to_the_next_one(scenario) -> None:
+    assert all(scenario["aborted_fetching"]) and scenario["aborted_holds"] == 0
+    aborted = scenario["aborted"]
+    assert aborted["fetch_attempts"] == 0 and aborted["waits"] >= 1  # waited for the aborted request's fetch
+    _equals(aborted, scenario["text"])
+
+
+@pytest.mark.parametrize("defect", ["lost", "stale", "device_error"])
+def test_a_defect_fails_its_request_and_the_next_one_fetches_again_and_loads(scenario, defect) -> None:
+    if defect != "device_error":
+        assert all(scenario[f"{defect}_resident_before"])  # so the load was declared
+    failed = scenario[defect]
+    assert failed["finish_reason"] == "error" and failed["tokens"] == [] and failed["fetches"] == 0
+    after = scenario[f"after_{defect}"]
+    assert after["fetches"] >= 1 and after["claims"] == [scenario["memory_tokens"]]
+    _equals(after, scenario["text"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import cast
 
 import pytest
 from transformers import AutoTokenizer
@@ -25,7 +26,7 @@ from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _wr
 def guarded_service(tmp_path_factory):
     root = tmp_path_factory.mktemp("guarded-node")
     service = MemoryServiceProcess(root / "data", root / "service.log", "--auth-file",
-                                   str(_write(root, CREDENTIALS))).start()
+                                   str(_write(root, cast(list[dict], CREDENTIALS)))).start()
     with service.channel() as channel:
         memory_pb2_grpc.MemoryServiceStub(channel).IngestFacts(pb.IngestFactsRequest(
             user_id="acme/maya", facts=[pb.FactInput(text="Maya has a cat named Pimenta.")]),

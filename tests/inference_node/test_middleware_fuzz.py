@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference_node.memory_prompt import FACT_ORDERS
-from inference_node.middleware import MODES, MemoryRequestError, parse_memory
+from inference_node.middleware import MEMORY_FIELDS, MODES, MemoryRequestError, parse_memory
 from inference_node.settings import NodeSettings
+from inferscale_kv.ids import is_valid_id
 
 SETTINGS = NodeSettings(memory_service="127.0.0.1:1", node_id="n", model_dir="/nonexistent", profile={})
 json_values = st.recursive(
@@ -34,6 +35,6 @@ def test_any_memory_value_parses_or_is_a_400_naming_the_memory_field(memory):
     except MemoryRequestError as error:
         assert str(error).startswith("memory")
         return
-    assert isinstance(parsed.user_id, str) and parsed.user_id
+    assert isinstance(parsed.user_id, str) and is_valid_id(parsed.user_id) and set(memory) <= set(MEMORY_FIELDS)
     assert 1 <= parsed.top_k <= SETTINGS.max_top_k and parsed.mode in MODES and parsed.order in FACT_ORDERS
     assert 0 <= parsed.recompute_tail_facts <= SETTINGS.max_top_k and parsed.kv_crossover_tokens >= 0

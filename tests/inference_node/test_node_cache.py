@@ -1,12 +1,17 @@
-"""The scheduler's node-cache directory (what is resident, what is reserved, what leaves) and the worker's cache."""
+"""The scheduler's node-cache directory (what is resident, what is being fetched, what leaves) and the worker's
+cache."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
 from inference_node.connector.compose import ChunkSlice
+from inference_node.connector.metadata import PrefetchReport
 from inference_node.connector.node_cache import CachedKv, NodeCacheDirectory, NodeKvCache
+from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
 
 
@@ -14,20 +19,40 @@ def _key(fact: int) -> KvKey:
     return KvKey("kvp-p", "u", f"f{fact}", 1, f"{fact:032x}")
 
 
-def _fetched(directory: NodeCacheDirectory, *facts: int, loaded: bool = True, protected=()) -> None:
-    directory.start_fetch([(_key(f), 10) for f in facts], set(protected))
-    directory.settle([_key(f) for f in facts], loaded)
+def _chunk(fact: int, tokens: int = 10) -> ChunkLoad:
+    return ChunkLoad(_key(fact), tuple(range(fact, fact + tokens)), 0)
 
 
-def test_a_chunk_is_resident_only_once_its_load_finished_without_failure() -> None:
-    """Regression: the hint recorded chunks when their load was sent (also in-flight and failed ones)."""
-    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
-    directory.start_fetch([(_key(0), 10)], set())
-    assert not directory.is_resident(_key(0))  # in flight: a second request for it goes async too
-    directory.settle([_key(0)], loaded=False)
-    assert not directory.is_resident(_key(0)) and directory.take_evictions() == [_key(0)]
-    _fetched(directory, 0)
-    assert directory.is_resident(_key(0))
+def _report(*facts: int, failed: bool = False, ranks: int = 1) -> PrefetchReport:
+    counts = Counter({_key(fact): ranks for fact in facts})
+    return PrefetchReport(failed=counts) if failed else PrefetchReport(fetched=counts)
+
+
+def _fetched(directory: NodeCacheDirectory, *facts: int) -> None:
+    assert directory.prefetch("u", [_chunk(f) for f in facts], deadline=1.0)
+    directory.settle(_report(*facts))
+
+
+def test_a_chunk_is_resident_only_once_every_rank_fetched_it() -> None:
+    """Regression (first for async loads): the hint recorded chunks when their load was sent (also in-flight and
+    failed ones)."""
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10, ranks=2)
+    assert directory.prefetch("u", [_chunk(0)], deadline=1.0)
+    assert [spec.chunks for spec in directory.take_prefetches()] == [(_chunk(0),)]
+    assert directory.fetch_id(_key(0)) is not None and not directory.is_resident(_chunk(0))
+    directory.settle(_report(0))  # one rank of two
+    assert not directory.is_resident(_chunk(0))
+    directory.settle(_report(0))
+    assert directory.is_resident(_chunk(0)) and not directory.fetch_id(_key(0)) is not None
+    assert not directory.is_resident(_chunk(0, tokens=9))  # the key with other token ids is not this chunk
+
+
+def test_a_chunk_one_rank_failed_is_evicted_from_every_rank() -> None:
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10, ranks=2)
+    assert directory.prefetch("u", [_chunk(0)], deadline=1.0)
+    directory.settle(PrefetchReport(fetched=Counter({_key(0): 1}), failed=Counter({_key(0): 1})))
+    assert not directory.is_resident(_chunk(0)) and not directory.fetch_id(_key(0)) is not None
+    assert directory.take_evictions() == (_key(0),) and directory.bytes_used == 0
 
 
 def test_evicts_least_recently_used_unheld_chunks_within_the_budget() -> None:
@@ -36,28 +61,42 @@ def test_evicts_least_recently_used_unheld_chunks_within_the_budget() -> None:
         _fetched(directory, fact)
     directory.touch([_key(0)])
     _fetched(directory, 3)
-    assert directory.take_evictions() == [_key(1)]
-    assert [directory.is_resident(_key(f)) for f in range(4)] == [True, False, True, True]
+    assert directory.take_evictions() == (_key(1),)
+    assert [directory.is_resident(_chunk(f)) for f in range(4)] == [True, False, True, True]
     assert directory.bytes_used <= 300
 
 
-def test_chunks_of_in_flight_and_same_step_loads_are_never_evicted() -> None:
+def test_held_and_fetching_chunks_are_never_evicted_and_a_prefetch_that_cannot_fit_changes_nothing() -> None:
     directory = NodeCacheDirectory(budget_bytes=200, bytes_per_token=10)
     _fetched(directory, 0)
-    _fetched(directory, 1)
-    # Over budget by one chunk: 0 is held by this load, 1 is read by a synchronous load of the same step.
-    directory.start_fetch([(_key(0), 10), (_key(2), 10)], {_key(1)})
-    assert directory.take_evictions() == []
-    assert directory.is_resident(_key(0)) and directory.is_resident(_key(1))
-    directory.start_fetch([(_key(3), 10)], set())  # the next step: 1 is free to go, 0 still held
-    assert directory.take_evictions() == [_key(1)]
+    assert directory.prefetch("u", [_chunk(1)], deadline=1.0)  # being fetched: reserved
+    directory.hold([_key(0)])
+    assert not directory.prefetch("u", [_chunk(2)], deadline=1.0)
+    assert directory.take_evictions() == () and directory.is_resident(_chunk(0)) and directory.bytes_used == 200
+    directory.release([_key(0)])
+    assert directory.prefetch("u", [_chunk(2)], deadline=1.0)
+    assert directory.take_evictions() == (_key(0),)
 
 
 def test_a_failed_synchronous_load_stops_trusting_its_chunks() -> None:
     directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
     _fetched(directory, 0)
     directory.drop([_key(0)])
-    assert not directory.is_resident(_key(0)) and directory.take_evictions() == [_key(0)]
+    assert not directory.is_resident(_chunk(0)) and directory.take_evictions() == (_key(0),)
+
+
+def test_a_key_is_known_with_one_token_id_tuple_at_a_time() -> None:
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
+    assert directory.prefetch("u", [_chunk(0)], deadline=1.0)
+    assert directory.knows_other_tokens(_chunk(0, tokens=9)) and not directory.knows_other_tokens(_chunk(0))
+    directory.settle(_report(0))
+    assert directory.knows_other_tokens(_chunk(0, tokens=9)) and not directory.knows_other_tokens(_chunk(1))
+
+
+def test_a_fetch_expires_at_its_deadline() -> None:
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
+    assert directory.prefetch("u", [_chunk(0)], deadline=5.0)
+    assert not directory.fetch_expired(_key(0), 5.0) and directory.fetch_expired(_key(0), 5.1)
 
 
 def _kv(tokens: int) -> CachedKv:

@@ -6,6 +6,7 @@ import json
 import re
 import time
 import urllib.request
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from harness.memory_service import MemoryServiceProcess
 from inference_node.memory_prompt import plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
+from inferscale_kv.stored_text import StoredTextGuard
 from tests.conftest import run_worker
 from tests.inference_node.conftest import (
     NODE_FLAGS,
@@ -24,6 +26,9 @@ from tests.inference_node.conftest import (
     tiny_profile,
     upload_custom_kv,
 )
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 QUESTION = "def answer(question):"
 K_FACTS = [f"Fact {i}: the user likes item {i * 7} and visits place {i * 3} on day {i}." for i in range(6)]
@@ -89,8 +94,8 @@ def _independent_fact_reference(model_dir, header_ids: list[int], facts: list[li
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
     header_len = len(header_ids)
-    keys = [[] for _ in range(layers)]
-    values = [[] for _ in range(layers)]
+    keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    values: list[list[torch.Tensor]] = [[] for _ in range(layers)]
     offset = header_len
     with torch.no_grad():
         for index, fact in enumerate(facts):
@@ -122,7 +127,8 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many")
+    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many",
+                       guard=StoredTextGuard.for_tokenizer(tokenizer))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     header_ids = memory_header_ids(tokenizer)
@@ -145,7 +151,8 @@ def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node
     tail = complete(node, QUESTION, {**memory, "recompute_tail_facts": 2})
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many")
+    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many",
+                       guard=StoredTextGuard.for_tokenizer(tokenizer))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     injected = [list(f.token_ids) for f in plan.facts[:4]]  # the two facts nearest the question are prefilled
@@ -243,7 +250,7 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{node.base_url}/v1", api_key="unused")
-    messages = [{"role": "user", "content": "What does Carol collect?"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What does Carol collect?"}]
     results = {}
     for mode in ("kv", "text"):
         memory = {"memory": {"user_id": "openai", "mode": mode}}
@@ -261,7 +268,8 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
             model=str(node.model_dir), prompt=QUESTION, max_tokens=6, temperature=0, stream=True,
             extra_body=memory))
         assert streamed_completion == completion.choices[0].text
-        results[mode] = (chat.choices[0].message.content, chat.usage.prompt_tokens_details.cached_tokens)
+        assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+        results[mode] = (chat.choices[0].message.content, chat.usage.prompt_tokens_details.cached_tokens or 0)
     assert results["kv"][0] == results["text"][0]
     assert results["kv"][1] > results["text"][1]
 

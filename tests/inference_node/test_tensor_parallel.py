@@ -17,6 +17,7 @@ from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.kv_key import KvKey
 from inferscale_kv.rope import RotaryTables
+from inferscale_kv.shape import KvShape
 from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
 
 USER = "tp-user"
@@ -67,7 +68,8 @@ def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkLoad]:
 def _stager(memory_service, model_dir, shard: KvHeadShard) -> KvStager:
     settings = NodeSettings(memory_service=memory_service.address, node_id=f"tp-rank-{shard.rank}",
                             model_dir=str(model_dir))
-    return KvStager(NodeKvCache(), kv_source(settings, AutoConfig.from_pretrained(model_dir), shard))
+    config = AutoConfig.from_pretrained(model_dir)
+    return KvStager(NodeKvCache(), kv_source(settings, config, shard), shard.of(KvShape.from_config(config)))
 
 
 def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
@@ -77,10 +79,9 @@ def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
     cpu = torch.device("cpu")
 
     def composed(shard: KvHeadShard) -> tuple[torch.Tensor, torch.Tensor]:
-        staged = _stager(node_memory_service, tiny_llama_dir, shard).stage(
-            USER, staged_facts, cpu, torch.float32, None, may_fetch=True)
-        assert staged.hits == 0 and staged.lookups == len(staged_facts)
-        slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in staged.entries]
+        stager = _stager(node_memory_service, tiny_llama_dir, shard)
+        assert stager.fetch(USER, staged_facts, cpu, torch.float32, None) == len(staged_facts)
+        slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in stager.resident(staged_facts)]
         return compose_prefix(slices, 5, tables.cos.float(), tables.sin.float(), config.num_hidden_layers,
                               fused=False)
 
@@ -98,5 +99,5 @@ def test_a_rank_caches_only_its_share_of_the_bytes(node_memory_service, tiny_lla
     whole = _stager(node_memory_service, tiny_llama_dir, UNSHARDED)
     half = _stager(node_memory_service, tiny_llama_dir, KvHeadShard(1, 2))
     for stager in (whole, half):
-        stager.stage(USER, staged_facts, torch.device("cpu"), torch.float32, None, may_fetch=True)
+        stager.fetch(USER, staged_facts, torch.device("cpu"), torch.float32, None)
     assert half.cache.bytes_used * 2 == whole.cache.bytes_used > 0

@@ -344,3 +344,11 @@ def test_a_workers_report_reaches_get_stats_and_the_metrics(stub, memory_service
             stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="w", profile_id=profile.profile_id,
                                                    facts_per_second=bad))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "facts_per_second" in error.value.details()
+
+
+def test_a_fetch_of_more_facts_than_a_request_may_retrieve_is_refused(stub) -> None:
+    profile = _announce(stub, "model-fetch-cap")
+    refs = [pb.FactRef(fact_id=f"f{index}", version=1, content_id="0" * 32) for index in range(1001)]
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cap", facts=refs)))
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "facts" in raised.value.details()

@@ -280,3 +280,64 @@ def test_disk_tier_refuses_a_file_whose_blob_names_another_key(tmp_path) -> None
     tier = DiskTier(tmp_path, 10 * BLOB_SIZE, LruEviction(), AdmitAll())
     tier.put(_key(0), _blob(_key(1)))
     assert tier.get(_key(0)) is None
+
+
+def test_a_read_that_starts_while_a_forget_runs_leaves_nothing_in_the_host_cache(tmp_path) -> None:
+    """Regression: the forget cleared the cache before it removed the durable copy, so a read starting in between
+    (its index check done earlier) read the file and cached the deleted fact's KV."""
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
+    remove = store.durable.remove
+
+    def remove_while_a_read_starts(key: KvKey) -> bool:
+        store.read(key)  # a fetch that listed the key before the forget began
+        return remove(key)
+
+    store.durable.remove = remove_while_a_read_starts  # type: ignore[method-assign]
+    store.forget("u1", ["fact-0"])
+    assert store.host_cache is not None and not store.host_cache.contains(_key(0))
+
+
+def test_a_forget_of_other_facts_during_a_miss_does_not_keep_the_blob_out_of_the_host_cache(tmp_path) -> None:
+    store, _ = _tiered(tmp_path, KvStoreBudgets(host_bytes=10 * BLOB_SIZE, disk_bytes=100 * BLOB_SIZE))
+    for index in range(2):
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
+    get = store.durable.get
+
+    def read_while_another_fact_is_forgotten(key: KvKey) -> bytes | None:
+        if key == _key(0):
+            store.forget("u1", ["fact-1"])  # an ingest of another fact, say
+        return get(key)
+
+    store.durable.get = read_while_another_fact_is_forgotten  # type: ignore[method-assign]
+    assert store.read(_key(0)) == _blob(_key(0))
+    assert store.host_cache is not None and store.host_cache.contains(_key(0))
+
+
+def test_the_sweep_drops_a_copy_cached_after_another_replica_deleted_it(tmp_path) -> None:
+    """Regression: a read that overlapped another replica's delete cached the blob after the sweep had recorded the
+    user's moved generation, and no later sweep looked at it again."""
+    coordination = Coordination.open(SqliteDatabase(tmp_path / "index.sqlite"))
+    durable = DiskTier(tmp_path / "blobs", 100 * BLOB_SIZE, LruEviction(), AdmitAll())
+    store = TieredKvStore(coordination.kv_index, coordination.work_queue, coordination.user_records, durable,
+                          KvStoreBudgets(host_bytes=10 * BLOB_SIZE), shared=True)
+    for index in range(2):
+        store.put(_key(index), _blob(_key(index)), token_ids=[1, 2, 3, 4], lease_id=None)
+    store.read(_key(0))
+    assert store.sweep_host_cache() == 0  # the user's generation is recorded
+    coordination.kv_index.forget_facts("u1", ["fact-1"])  # another replica deletes fact-1
+    coordination.user_records.invalidate("u1")
+    assert store.sweep_host_cache() == 0  # the moved generation is recorded; fact-1 is not cached yet
+    store.read(_key(1))  # a fetch on this replica that listed fact-1 before the delete: its copy is cached now
+    assert store.host_cache is not None and store.host_cache.contains(_key(1))
+    assert store.sweep_host_cache() == 1
+    assert not store.host_cache.contains(_key(1)) and store.host_cache.contains(_key(0))
+
+
+def test_a_corrupt_blob_of_a_fact_deleted_meanwhile_queues_nothing(tmp_path) -> None:
+    store, coordination = _tiered(tmp_path, KvStoreBudgets(host_bytes=0, disk_bytes=100 * BLOB_SIZE))
+    coordination.profile_registry.add("kvp-test", {})
+    store.put(_key(0), _blob(_key(0)), token_ids=[1, 2, 3, 4], lease_id=None)
+    store.forget("u1", ["fact-0"])
+    store.durable.on_corrupt(_key(0))  # a read that found it corrupt, reported after the delete
+    assert coordination.work_queue.all_jobs() == [] and store.corrupt_blobs == 0

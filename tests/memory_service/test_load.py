@@ -13,7 +13,9 @@ reported, never asserted; errors, isolation and memory growth are.
 
 The callers announce a profile whose KV a stand-in worker computed for every populated fact (tiny made-up
 blobs), so every answer is checked for its memory too: the top-k count of facts, each populated fact's KV ready
-and the profile's header with them; an answer without it counts as lost memory (asserted: none).
+and the profile's header with them; an answer without it counts as lost memory (asserted: none). One call in
+FETCH_EVERY is followed by the FetchKv of its ready facts, as a node whose cache lacks them makes (every blob must
+come back), so the host cache and the fetch threads run under the load too.
 
 The replica mode runs the same load against three replicas on a real PostgreSQL and a real S3-compatible store
 (SeaweedFS), reached through one address as nodes reach them (round robin); memory is the replicas' sum."""
@@ -48,6 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<u(\d{5})>")
 FACT_INDEX = re.compile(r"> fact (\d+):")
 TOP_K = 20
+FETCH_EVERY = 10
 # The full run's paced rates: a sweep up to where p99 nears 50 ms on a 2-core machine with this ingest
 # (the full run measured p99 27, 28, 41 and 48 ms; shorter exploratory runs 36-66 ms at 80-120 req/s).
 FULL_PACED_RPS = (20, 40, 80, 120)
@@ -207,6 +210,20 @@ def _memory_kept(response: pb.RetrieveAndStageResponse, shape: LoadShape) -> str
     return f"{len(lacking)} populated facts without KV ready" if lacking else None
 
 
+async def _fetch_ready(stub, profile: pb.KvProfile, user_id: str, response: pb.RetrieveAndStageResponse) -> str | None:
+    """FetchKv of the header and the answer's ready facts; why a blob did not come back (None: all did)."""
+    refs = [pb.FactRef(fact_id=fact.fact_id, version=fact.version, content_id=fact.content_id)
+            for fact in response.facts if fact.kv_ready]
+    try:
+        replies = [reply async for reply in stub.FetchKv(pb.FetchKvRequest(
+            profile_id=profile.profile_id, user_id=user_id, include_header=True,
+            header_content_id=response.header_content_id, facts=refs), timeout=30)]
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+    missing = len(refs) + 1 - sum(1 for reply in replies if reply.blob)
+    return f"{missing} of {len(refs) + 1} blobs missing" if missing else None
+
+
 async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) -> None:
     profile = _profile()
     deadline = time.monotonic() + phase.duration_s
@@ -236,6 +253,10 @@ async def _run_phase(stub, shape: LoadShape, phase: Phase, report: PhaseReport) 
             lost = _memory_kept(response, shape)
             if lost:
                 report.memory_lost.append(f"{_user(user_index)}: {lost}")
+            elif rng.randrange(FETCH_EVERY) == 0:
+                lost = await _fetch_ready(stub, profile, _user(user_index), response)
+                if lost:
+                    report.memory_lost.append(f"{_user(user_index)}: FetchKv {lost}")
 
     async def ingester() -> None:
         rng = random.Random(-1 - shape.phases.index(phase))

@@ -87,5 +87,5 @@ def test_concurrent_fetches_of_one_users_kv_read_each_blob_from_storage_once(loa
     after = service_counters(service.metrics_port)
     # 51 blobs (the header and 50 facts) of ~4.4 MiB, fetched 8 times: read from storage at most once each.
     assert after["bytes_served"] - before["bytes_served"] >= 8 * K * (4 << 20)
-    assert after["durable_lookups"] - before["durable_lookups"] <= K + 1
+    assert after["durable_lookups"] - before["durable_lookups"] == K + 1  # the cache was empty: one miss each
     assert after["durable_bytes_read"] - before["durable_bytes_read"] <= (K + 1) * (5 << 20)
