@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import structlog
 from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import Message
 
 from memory_service.access import CALLER, AccessControl
 from memory_service.blocking import blocking_calls_on
@@ -113,10 +114,17 @@ def rpc(handler: Handler) -> Handler:
     return wrapper
 
 
+def _serialized(response: Message | bytes) -> bytes:
+    """A response as it goes on the wire: a message is serialized here (on the event loop), bytes a handler serialized
+    itself (off the loop) pass as they are."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
 def add_to_server(servicer: object, service: ServiceDescriptor, messages: ModuleType, server: grpc.aio.Server) -> None:
     """Registers `servicer`'s methods for every RPC of `service` (request and response classes from `messages`) with
     request deserializers that never raise (memory_service.wire_format.request_parser): a request that does not
-    parse reaches the `rpc` wrapper, which answers INVALID_ARGUMENT naming where it broke."""
+    parse reaches the `rpc` wrapper, which answers INVALID_ARGUMENT naming where it broke. A handler may write a
+    response it serialized itself, as bytes."""
     handlers = {}
     for method in service.methods:
         make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
@@ -124,6 +132,6 @@ def add_to_server(servicer: object, service: ServiceDescriptor, messages: Module
         handlers[method.name] = make_handler(
             getattr(servicer, method.name),
             request_deserializer=request_parser(getattr(messages, method.input_type.name)),
-            response_serializer=getattr(messages, method.output_type.name).SerializeToString)
+            response_serializer=_serialized)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

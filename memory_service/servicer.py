@@ -12,7 +12,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.kv_key import KvKey
 from memory_service.access import CALLER, AccessControl
+from memory_service.blocking import run_blocking
 from memory_service.builder import ServiceBuilder
 from memory_service.config import Limits
 from memory_service.coordination.work_queue import Job
@@ -53,6 +55,13 @@ _ROLES = {pb.PROFILE_ROLE_WORKER: "worker", pb.PROFILE_ROLE_NODE: "node"}
 WRITE_METHODS = frozenset({"IngestTurns", "IngestFacts", "DeleteFacts", "DeleteUser", "AnnounceProfile"})
 KV_WORK_METHODS = frozenset({"LeaseKvWork", "CompleteKvWork"})
 KV_READ_METHODS = frozenset({"FetchKv"})
+
+
+def fetch_kv_response_bytes(key: KvKey, blob: bytes) -> bytes:
+    """One FetchKv message, serialized (a blob is megabytes: FetchKv builds and encodes it on its read thread, not on
+    the event loop; memory_service.rpc sends bytes a handler wrote as they are)."""
+    return pb.FetchKvResponse(fact_id=key.fact_id, version=key.version, blob=blob,
+                              content_id=key.content_id).SerializeToString()
 
 
 def _timestamp(micros: int) -> Timestamp:
@@ -294,5 +303,4 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         refs = validate_kv_refs(request.facts, self._limits)
         async for key, blob in self._operations.fetch_kv(
                 profile_id, user_id, refs, request.header_content_id if request.include_header else None):
-            await context.write(pb.FetchKvResponse(fact_id=key.fact_id, version=key.version, blob=blob,
-                                                   content_id=key.content_id))
+            await context.write(await run_blocking(fetch_kv_response_bytes, key, blob))
