@@ -64,6 +64,22 @@ def test_synthetic_encoder_gives_every_fact_kv_of_the_model_shape(tiny_llama_dir
     assert all(fact.values.dtype == torch.bfloat16 for fact in encoded)
 
 
+def test_synthetic_workers_agree_on_each_facts_kv_and_differ_between_facts(tiny_llama_dir, tmp_path) -> None:
+    """Two synthetic workers (a prepare resumed starts a second) compute the same KV for the same fact, header
+    included, as real workers do: otherwise the service's header check and KV audit withdraw it."""
+    folder = build_dummy_model(tmp_path / "tiny", "llama-tiny", tiny_llama_dir, "bfloat16")
+    first, second = (SyntheticFactEncoder(AutoConfig.from_pretrained(folder), torch.bfloat16, 2048) for _ in range(2))
+    specs = [FactSpec(FactKey("u", "f0", 1), [5, 6, 7], 2), FactSpec(FactKey("u", "f1", 1), [5, 6, 8], 2)]
+    groups = [EncodingGroup([1, 2, 3], specs)]
+    second.encode([EncodingGroup([1, 2, 3], specs[1:])])  # the second worker has computed other facts before
+    again = second.encode([EncodingGroup([1, 2, 3], specs[:1])])[0]
+    one, other = first.encode(groups)
+    assert torch.equal(one.keys, again.keys) and torch.equal(one.values, again.values)
+    assert not torch.equal(one.keys, other.keys) and not torch.equal(one.keys, one.values)
+    elsewhere = first.encode([EncodingGroup([1, 9, 3], specs[:1])])[0]  # another context before the fact
+    assert not torch.equal(one.keys, elsewhere.keys)
+
+
 METRICS_TEXT = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="m"} 1.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.75
