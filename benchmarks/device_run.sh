@@ -14,7 +14,7 @@
 #   bash benchmarks/device_run.sh OUT prepare-throughput  # 128 users x 50 facts ($THROUGHPUT_USERS), node cache for them
 #   bash benchmarks/device_run.sh OUT throughput          # 128 in flight, each request the user's whole memory
 #   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts
-#   bash benchmarks/device_run.sh OUT prepare-cold        # 64 users' KV against a node cache for two
+#   bash benchmarks/device_run.sh OUT prepare-cold        # 64 ($COLD_USERS) users' KV, a node cache for two
 #   bash benchmarks/device_run.sh OUT cold                # 16 in flight; kv-warm: two users whose KV is cached
 #   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
 #   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding
@@ -93,7 +93,7 @@ case $stage in
   varying)
     attach throughput serve-varying --workloads synthetic --k 10 20 --requests 256 --concurrency 128 --tails ;;
   prepare-cold)
-    prepare cold --workloads cold --cold-users 64 --cold-k 50 --facts-per-user 50 --tails \
+    prepare cold --workloads cold --cold-users "${COLD_USERS:-64}" --cold-k 50 --facts-per-user 50 --tails \
       --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
       --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --embed-queries-locally" ;;
   cold)
