@@ -15,7 +15,7 @@
 #   bash benchmarks/device_run.sh OUT throughput          # 128 in flight, each request the user's whole memory
 #   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts
 #   bash benchmarks/device_run.sh OUT prepare-cold        # 64 ($COLD_USERS) users' KV, a node cache for two
-#   bash benchmarks/device_run.sh OUT cold                # 16 in flight; kv-warm: two users whose KV is cached
+#   bash benchmarks/device_run.sh OUT cold                # 1 and 2 in flight (the node cache holds two users); kv-warm: two users whose KV is cached
 #   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
 #   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding
 #   bash benchmarks/device_run.sh OUT stop                # stops every prepared server
@@ -97,7 +97,7 @@ case $stage in
       --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
       --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --embed-queries-locally" ;;
   cold)
-    attach cold serve-cold --workloads cold --requests 64 --concurrency 16 --tails ;;
+    attach cold serve-cold --workloads cold --requests 32 --concurrency 1 2 --tails ;;
   failure)
     stop_all  # the scenario starts engines of its own
     python3 -m benchmarks.gpu_failure_path --output "$out/failure-path" --work "$root/failure" \
