@@ -250,7 +250,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         profile = build_model_profile(model_dir, tokenizer, args.kv_dtype, DEFAULT_CONTEXT_WINDOW)
         assert memory_header_ids(tokenizer), "the memory header must tokenize"
-        service = MemoryServiceProcess(work / "data", work / "service.log", *service_flags, env=env)
+        service = MemoryServiceProcess(work / "data", work / "service.log", *service_flags, env=env,
+                                       source=args.service_source.resolve() if args.service_source else None)
         service.start()
         try:
             populate(service, model_dir, users, args.facts_per_user, args.fact_clauses, args.kv_dtype, env)

@@ -26,13 +26,15 @@ class MemoryServiceProcess:
     """A memory service on free loopback ports; `start` returns once health says SERVING."""
 
     def __init__(self, data_dir: Path, log_path: Path, *extra_args: str, health_port: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, source: Path | None = None) -> None:
         """`health_port`: serve health alone in plaintext on its own port and wait on that one (for TLS runs);
-        `env`: added to the process's environment (e.g. object-store credentials)."""
+        `env`: added to the process's environment (e.g. object-store credentials); `source`: a checkout to run the
+        service's code from (its working directory, which `python -m` imports from first)."""
         self.data_dir = data_dir
         self.log_path = log_path
         self.extra_args = extra_args
         self.env = env or {}
+        self.source = source
         self.port = free_port()
         self.metrics_port = free_port()
         self.health_port = free_port() if health_port else None
@@ -60,7 +62,8 @@ class MemoryServiceProcess:
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log_file:
-            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                            cwd=self.source)
         self._wait_serving()
         return self
 
