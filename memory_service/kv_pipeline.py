@@ -329,19 +329,21 @@ class KvPipeline:
 
     # ------------------------------------------------------------------ workers
 
-    async def lease(self, request: LeaseRequest) -> KvWorkLease:
+    async def lease(self, request: LeaseRequest, identity: str) -> KvWorkLease:
         """Records the worker's report and leases it facts of the profile, with the turns they were said in: audits
-        it may do first (audited facts look like any other), then queued facts. Returns the audits given up too."""
+        it may do first (audited facts look like any other), then queued facts. Returns the audits given up too.
+        `identity`: the worker as audits tell workers apart (its credential, Principal.worker_identity): it is not
+        leased audits of what that identity produced, nor work it is barred from."""
         await self._require_profile(request.profile_id)
         await run_blocking(self._worker_registry.record, WorkerReport(
             request.worker_id, request.profile_id, time.time(), request.facts_per_second, request.device))
         max_facts = min(request.max_facts or self._lease_max_facts, self._lease_max_facts)
         lease_seconds = request.lease_seconds or self._lease_seconds
         lease_id = uuid.uuid4().hex
-        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, request.worker_id, max_facts,
+        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, identity, max_facts,
                                                lease_id, time.time() + lease_seconds)
         leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts - len(audits),
-                                    lease_seconds, request.worker_id, lease_id)
+                                    lease_seconds, identity, lease_id)
         jobs = [Job(request.profile_id, a.key.user_id, a.key.fact_id, a.key.version) for a in audits] + leased.jobs
         by_user: dict[str, list[Job]] = {}
         for job in jobs:
@@ -358,7 +360,7 @@ class KvPipeline:
                 turns = await self._fact_store.turns_of_user(user_id)
                 last = max((i for i, turn in enumerate(turns) if turn.turn_id in sources), default=-1)
                 turns_by_user[user_id] = turns[: last + 1]
-        header_wanted = await self.header_wanted(request.profile_id, request.worker_id)
+        header_wanted = await self.header_wanted(request.profile_id, identity)
         return KvWorkLease(lease_id if facts else "", leased.expires_at, facts, turns_by_user, header_wanted,
                            abandoned)
 
