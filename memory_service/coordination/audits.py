@@ -18,6 +18,9 @@ from inferscale_kv.kv_key import HEADER_OWNER, KvKey
 from memory_service.coordination.work_queue import facts_condition, not_excluded
 from memory_service.sql import Database, Transaction
 
+# kv_quarantine's reason for KV that differed from a stored entry which stayed served (KvAudits.dispute).
+DISPUTE_REASON = "header conflict: a differing header, set aside"
+
 
 @dataclass(frozen=True)
 class Audit:
@@ -137,6 +140,23 @@ class KvAudits:
             tx.run("INSERT INTO kv_quarantine VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                    (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id,
                     hashlib.sha256(blob.blob).hexdigest(), blob.worker_id, blob.reason, time.time(), blob.blob))
+
+    def dispute(self, key: KvKey, producer: str, kept: QuarantinedBlob) -> None:
+        """A worker's differing KV for the entry stored under exactly `key` by `producer`: kept aside (its worker is
+        one of `disputers(key)`), and the entry audited again (by a worker neither its producer nor a disputer) if no
+        audit of it waits."""
+        with self._database.transaction() as tx:
+            self.keep_aside(tx, key, [kept])
+            tx.run("INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
+                   (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id, producer, time.time()))
+
+    def disputers(self, key: KvKey) -> list[str]:
+        """The workers whose KV differed from the entry stored under exactly `key` (`dispute`), sorted."""
+        return [worker for (worker,) in self._database.query(
+            "SELECT DISTINCT worker_id FROM kv_quarantine WHERE profile_id = ? AND user_id = ? AND fact_id = ? "
+            "AND version = ? AND content_id = ? AND reason = ? ORDER BY worker_id",
+            (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id, DISPUTE_REASON))]
 
     def drop_facts(self, tx: Transaction, user_id: str, fact_ids: Sequence[str] | None) -> None:
         """Within `tx`: removes the audits, bars and quarantined KV of the given facts (all of the user's when None),
