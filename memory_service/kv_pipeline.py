@@ -55,7 +55,7 @@ _AUDIT_SAMPLER = random.SystemRandom()
 class AuditOutcome(Enum):
     MATCH = "match"  # the auditor's KV is the stored KV within the tolerance
     MISMATCH = "mismatch"  # it is not: the entry is withdrawn
-    STALE = "stale"  # the entry changed or went away before the result came
+    STALE = "stale"  # the entry changed or went away before the result came, or its inputs did (computed again)
     ABANDONED = "abandoned"  # leased too often without a result: the entry stays served, unaudited
 
 
@@ -431,14 +431,24 @@ class KvPipeline:
         return CompletionCounts(accepted, duplicates, stale, tuple(audited))
 
     async def _compare(self, audit: Audit, upload: KvUpload, auditor: str) -> AuditResult:
-        """An audit's result: the auditor's upload against the entry it audits (withdrawn when they differ)."""
+        """An audit's result: the auditor's upload against the entry it audits (withdrawn when they differ; when the
+        upload was computed from other inputs, e.g. an edited turn, the audit is stale and the fact computed again)."""
         key = audit.key
         entry = await run_blocking(self._kv_index.entry, key.profile_id, key.user_id, key.fact_id)
         stored = await run_blocking(self._kv_store.get, key) if entry is not None and entry.key == key else None
         if entry is None or stored is None:
             await run_blocking(self._audits.finish, audit)
             return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, 0.0)
-        difference = await self._difference(entry, stored, upload)
+        served, _ = await self._served(upload)
+        if served.key != entry.key:
+            # Computed from other inputs than the entry (e.g. a turn of its window was rewritten since): nothing to
+            # compare, nobody to blame; the entry is computed again from the current inputs.
+            await run_blocking(self._kv_store.quarantine, key, [], [])
+            log.info("kv_audit_stale", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
+                     version=key.version, producer=audit.producer, auditor=auditor,
+                     action="its inputs changed: computed again, nobody barred")
+            return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, 0.0)
+        difference = await run_blocking(kv_difference, stored, upload.blob)
         tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
         if difference <= tolerance:
             await run_blocking(self._audits.finish, audit)

@@ -18,6 +18,8 @@ from inferscale_kv.kv_key import HEADER_OWNER, KvKey
 from memory_service.coordination.work_queue import facts_condition, not_excluded
 from memory_service.sql import Database, Transaction
 
+# Audits one mismatch adds at most (KvAudits.escalate).
+ESCALATED_AUDITS_MAX = 10_000
 # kv_quarantine's reason for KV that differed from a stored entry which stayed served (KvAudits.dispute).
 DISPUTE_REASON = "header conflict: a differing header, set aside"
 
@@ -60,15 +62,16 @@ class KvAudits:
                (key.profile_id, key.user_id, key.fact_id))
 
     def escalate(self, profile_id: str, producers: Sequence[str]) -> int:
-        """Every fact entry of the profile stored by one of `producers` is to be audited; returns the audits added."""
+        """The fact entries of the profile stored by one of `producers` are to be audited, the newest
+        ESCALATED_AUDITS_MAX of them (a mismatch costs a bounded amount of extra work); returns the audits added."""
         placeholders = ",".join("?" * len(producers))
         with self._database.transaction() as tx:
             return tx.run(
                 "INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
                 "SELECT profile_id, user_id, fact_id, version, content_id, producer, ? FROM kv_entries "
                 f"WHERE profile_id = ? AND user_id != ? AND producer IN ({placeholders}) "
-                "ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
-                (time.time(), profile_id, HEADER_OWNER, *producers))
+                "ORDER BY stored_at DESC LIMIT ? ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
+                (time.time(), profile_id, HEADER_OWNER, *producers, ESCALATED_AUDITS_MAX))
 
     def lease(self, profile_id: str, worker_id: str, max_facts: int, lease_id: str,
               expires: float) -> tuple[list[Audit], int]:
