@@ -228,16 +228,19 @@ class KvPipeline:
 
     async def _difference(self, stored: KvEntry, stored_blob: bytes, upload: KvUpload) -> float:
         """kv_checks.kv_difference of an upload from a stored entry, infinite when the upload's content id is not the
-        one the entry was computed under."""
+        one the entry was computed under or its layout is not the entry's."""
         served, _ = await self._served(upload)
-        if served.key != stored.key:
+        stored_header = read_kv_header(stored_blob)
+        if served.key != stored.key or upload.shape != KvShape(stored_header.num_layers, stored_header.num_kv_heads,
+                                                               stored_header.head_dim):
             return math.inf
         return await run_blocking(kv_difference, stored_blob, upload.blob)
 
     async def _receive_header(self, profile: AnnouncedProfile, upload: KvUpload,
                               announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
         profile_id = profile.profile_id
-        await self._check_fit(profile_id, str(profile.fields["kv_dtype"]), [upload], "header_kv")
+        # Its dtype only: a header laid out otherwise than the stored one is a differing header (a conflict).
+        check_kv_fits_profile(upload, str(profile.fields["kv_dtype"]), None, "header_kv")
         async with self._header_locks.setdefault(profile_id, asyncio.Lock()):
             return await self._receive_header_locked(profile_id, upload, announcer)
 
@@ -288,6 +291,7 @@ class KvPipeline:
                     action="the stored header withdrawn and kept aside, its producer barred; the newer one stored, "
                            "its audit to come")
         if withdrawn:
+            self._shapes.pop(profile_id, None)  # the profile's layout is the next stored header's
             await self._store_header(profile_id, upload, announcer)
         audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) if auditing \
             else None
@@ -298,7 +302,7 @@ class KvPipeline:
         served, _ = await self._served(upload)
         if not await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer, True):
             return False
-        self._shapes.setdefault(profile_id, upload.shape)
+        self._shapes[profile_id] = upload.shape  # the header's layout is the profile's
         return True
 
     @staticmethod

@@ -115,7 +115,6 @@ HEADER_CASES = [
     ("another dtype", {"dtype": "bfloat16"}, "kv_dtype is float32"),
     ("a NaN", {"keys": torch.full((LAYERS, len(HEADER_IDS), HEADS, DIM), float("nan"))}, "NaN"),
     ("an infinity", {"keys": torch.full((LAYERS, len(HEADER_IDS), HEADS, DIM), float("inf"))}, "infinity"),
-    ("another layout", {"layers": LAYERS + 1}, "layers"),
 ]
 
 
@@ -232,3 +231,24 @@ def test_a_header_two_workers_dispute_is_withdrawn_its_producer_barred_and_count
     _announce(stub, profile, first, "w-a")  # barred: refused before any comparison
     assert _served_header(stub, profile) == served
     assert _header_wanted(stub, profile, "w-b")  # the new header's audit
+
+
+def test_a_header_of_another_layout_is_a_conflict_not_a_lock_on_the_profile(stub, service) -> None:
+    """Regression (issue 31 review, H2): the first header's layout became the profile's, so an honest header of the
+    model's layout after a bogus first one was INVALID_ARGUMENT (no conflict, no audit) and the profile stayed locked
+    to the bogus layout. Now it is a differing header like any other: a conflict, and two of them withdraw the
+    bogus one; the profile's layout is then the honest header's, whose facts are accepted."""
+    profile = _profile("header-layout")
+    bogus, honest = _header(profile, layers=LAYERS + 1), _header(profile, seed=1)
+    conflicts = _counter(service, "inferscale_kv_header_conflicts_total")
+    _announce(stub, profile, bogus, "w-bogus")
+    _announce(stub, profile, honest, "w-a")  # no error: a conflict, set aside
+    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
+    assert _served_header(stub, profile) == bogus
+    _announce(stub, profile, honest, "w-b")  # a second worker: the bogus header is withdrawn, the honest one stored
+    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 2
+    assert kv_difference(_served_header(stub, profile), honest) == 0.0
+    lease, uploads = _lease_and_upload(stub, profile, "w-a", lambda index: ("float32", LAYERS, None))
+    assert stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id="w-a",
+                                                        profile_id=profile.profile_id,
+                                                        results=uploads)).accepted == len(uploads) == 2
