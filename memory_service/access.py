@@ -16,6 +16,8 @@ Workers and admins see every user's facts by nature, so they take no prefix.
 `max_facts` and `max_kv_bytes` (optional, prefixed credentials only) are the tenant's quotas: an IngestFacts that
 would create facts past `max_facts`, or that comes while the tenant's stored KV is at `max_kv_bytes`, is
 RESOURCE_EXHAUSTED.
+A worker's worker_id / announcer_id must be its credential's name or `name/<process>`: the KV audit tells producer
+and auditor apart by credential, so it proves something only with one credential per independent worker.
 `python -m memory_service.access` prints the digest of a token read from standard input.
 Health and reflection are not behind this check: they carry no user data, and probes and operators need them.
 """
@@ -49,6 +51,8 @@ ROLE_METHODS: dict[str, frozenset[str]] = {
 KV_WRITER_ROLES = frozenset({"worker"})
 ALL_USERS_ROLES = frozenset({"worker", "admin"})
 ROLES = frozenset(ROLE_METHODS) | {"admin"}
+# Between a worker credential's name and one of its processes in the worker ids it claims (`workers-a/gpu-0`).
+WORKER_PROCESS_SEPARATOR = "/"
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9._:@+/=-]+")
 
 
@@ -84,6 +88,18 @@ class Principal:
             raise PermissionDenied(f"user_id {user_id!r} is outside credential {self.name!r}'s users "
                                    f"(prefix {self.user_prefix!r})")
 
+    def worker_identity(self, claimed: str, field: str) -> str:
+        """The worker identity a KV writer's request claims (`field`: worker_id, announcer_id), bound to this
+        credential: the credential's name, claimed as the name itself or as `name/<process>` (one credential may run
+        several processes of one worker), else PermissionDenied. Producer and auditor are told apart by this
+        identity, so a credential never audits its own KV. Without access control the claim is all there is (the
+        audit then cannot tell workers apart)."""
+        if self is OPEN_ACCESS:
+            return claimed
+        if claimed != self.name and not claimed.startswith(self.name + WORKER_PROCESS_SEPARATOR):
+            raise PermissionDenied(f"{field}: {claimed[:40]!r} is not credential {self.name!r}'s worker (use "
+                                   f"{self.name!r} or {self.name + WORKER_PROCESS_SEPARATOR + '<process>'!r})")
+        return self.name
 
     def authorize_kv_upload(self, field: str, declared_role: str) -> None:
         """Only workers write KV: raises PermissionDenied unless this caller's credential has a KV writer's role, and

@@ -4,10 +4,12 @@ messages, and its inputs are validated (memory_service.validation).
 
 The audit: a share of new fact KV (sampled per user and completion, so that an auditor encodes the sampled facts of a
 conversation window together) and every header is computed again by another worker and compared within the storage
-dtype's tolerance (memory_service.kv_checks). Until then the entry is served. A mismatch withdraws it (the fact is
-served as text), keeps both blobs aside, bars both workers from the fact and queues it for a third, and has every entry
-either worker stored audited. A worker is not told it audits: audits are lease items (a header audit is a
-header_kv_wanted), and its upload is compared instead of stored."""
+dtype's tolerance (memory_service.kv_checks). Until then the entry is served. A fact's mismatch withdraws it (the fact
+is served as text), keeps both blobs aside, bars both workers from the fact and queues it for a third, and has every
+entry either worker stored audited. A differing header is a conflict: the first is set aside and the stored header
+stays served until a third worker decides (a second differing header withdraws it and bars its producer). A worker is
+not told it audits: audits are lease items (a header audit is a header_kv_wanted), and its upload is compared instead
+of stored. Workers are told apart by the identity their credential binds (access.Principal.worker_identity)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import structlog
 from inferscale_kv.blob import read_kv_header
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
 from memory_service.blocking import run_blocking
-from memory_service.coordination.audits import Audit, KvAudits, QuarantinedBlob
+from memory_service.coordination.audits import DISPUTE_REASON, Audit, KvAudits, QuarantinedBlob
 from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.work_queue import Job, KvWorkQueue
@@ -53,7 +55,7 @@ _AUDIT_SAMPLER = random.SystemRandom()
 class AuditOutcome(Enum):
     MATCH = "match"  # the auditor's KV is the stored KV within the tolerance
     MISMATCH = "mismatch"  # it is not: the entry is withdrawn
-    STALE = "stale"  # the entry changed or went away before the result came
+    STALE = "stale"  # the entry changed or went away before the result came, or its inputs did (computed again)
     ABANDONED = "abandoned"  # leased too often without a result: the entry stays served, unaudited
 
 
@@ -69,8 +71,8 @@ class AuditResult:
 class HeaderOutcome(Enum):
     STORED = "stored"  # none was stored: this one is, its audit to come
     UNCHANGED = "unchanged"  # the stored header, within the tolerance (an audit of it passed, if it was one)
-    CONFLICT = "conflict"  # a differing header: both withdrawn and kept aside
-    REFUSED = "refused"  # the announcer is barred from the header after a conflict it was part of
+    CONFLICT = "conflict"  # a differing header: kept aside (the first), or it withdraws the stored one (the second)
+    REFUSED = "refused"  # the announcer is barred from the header, or its header differed from the stored one already
 
 
 @dataclass(frozen=True)
@@ -226,42 +228,46 @@ class KvPipeline:
 
     async def _difference(self, stored: KvEntry, stored_blob: bytes, upload: KvUpload) -> float:
         """kv_checks.kv_difference of an upload from a stored entry, infinite when the upload's content id is not the
-        one the entry was computed under."""
+        one the entry was computed under or its layout is not the entry's."""
         served, _ = await self._served(upload)
-        if served.key != stored.key:
+        stored_header = read_kv_header(stored_blob)
+        if served.key != stored.key or upload.shape != KvShape(stored_header.num_layers, stored_header.num_kv_heads,
+                                                               stored_header.head_dim):
             return math.inf
         return await run_blocking(kv_difference, stored_blob, upload.blob)
 
     async def _receive_header(self, profile: AnnouncedProfile, upload: KvUpload,
                               announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
         profile_id = profile.profile_id
-        await self._check_fit(profile_id, str(profile.fields["kv_dtype"]), [upload], "header_kv")
+        # Its dtype only: a header laid out otherwise than the stored one is a differing header (a conflict).
+        check_kv_fits_profile(upload, str(profile.fields["kv_dtype"]), None, "header_kv")
         async with self._header_locks.setdefault(profile_id, asyncio.Lock()):
             return await self._receive_header_locked(profile_id, upload, announcer)
 
     async def _receive_header_locked(self, profile_id: str, upload: KvUpload,
                                      announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
-        """Stores the header when none is (another replica's concurrent one wins: then it is compared with that),
-        else compares it with the stored one."""
+        """Refuses a barred announcer, or one that disputed the stored header already, before any comparison;
+        stores the header when none is (another replica's concurrent one wins: then it is compared with that), else
+        compares it with the stored one. A first differing header is set aside and the stored one stays served (its
+        audit by another worker asked for); a second worker's differing header withdraws the stored one, bars its
+        producer and is stored instead (its own audit to come)."""
+        barred = await run_blocking(self._audits.barred, upload.key)
+        if announcer in barred:
+            return self._refused(profile_id, announcer, "barred after the header it stored was withdrawn")
         entry = await self.header_entry(profile_id)
         stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
         if entry is None or stored is None:
-            served, barred = await self._served(upload)
-            if announcer in barred:
-                log.warning("kv_header_refused", profile_id=profile_id, worker_id=announcer,
-                            reason="barred after a header conflict it was part of")
-                return HeaderOutcome.REFUSED, None
-            if await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer,
-                                  True):
-                self._shapes.setdefault(profile_id, upload.shape)
+            if await self._store_header(profile_id, upload, announcer):
                 return HeaderOutcome.STORED, None
             entry = await self.header_entry(profile_id)  # another replica stored one meanwhile: compare with it
             stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
             if entry is None or stored is None:
                 return HeaderOutcome.UNCHANGED, None  # and it went again: the next lease asks for one
+        disputers = await run_blocking(self._audits.disputers, entry.key)
+        if announcer in disputers:
+            return self._refused(profile_id, announcer, "its header differed from the stored one already")
         pending = await run_blocking(self._audits.pending, entry.key)
-        auditing = (pending is not None and pending.producer != announcer
-                    and announcer not in await run_blocking(self._audits.barred, entry.key))
+        auditing = pending is not None and pending.producer != announcer
         difference = await self._difference(entry, stored, upload)
         tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
         if difference <= tolerance:
@@ -269,20 +275,45 @@ class KvPipeline:
                 return HeaderOutcome.UNCHANGED, AuditResult(entry.key, AuditOutcome.MATCH, entry.producer, announcer,
                                                             difference)
             return HeaderOutcome.UNCHANGED, None
-        kept = [QuarantinedBlob(entry.producer, "header conflict: the stored header", stored),
-                QuarantinedBlob(announcer, "header conflict: a differing header", upload.blob)]
-        await run_blocking(self._kv_store.quarantine, entry.key, [entry.producer, announcer], kept)
-        escalated = await run_blocking(self._audits.escalate, profile_id, [entry.producer, announcer])
+        if not disputers:
+            await run_blocking(self._audits.dispute, entry.key, entry.producer,
+                               QuarantinedBlob(announcer, DISPUTE_REASON, upload.blob))
+            log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
+                        difference=difference, tolerance=tolerance,
+                        action="the newer header kept aside; the stored one stays served and is asked of a third "
+                               "worker")
+            return HeaderOutcome.CONFLICT, None
+        kept = [QuarantinedBlob(entry.producer, "header conflict: the stored header, disputed by two workers",
+                                stored)]
+        withdrawn = await run_blocking(self._kv_store.quarantine, entry.key, [entry.producer], kept)
         log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
-                    difference=difference, tolerance=tolerance, escalated_audits=escalated,
-                    action="both withdrawn and kept aside; the header is asked of another worker")
+                    disputed_before_by=disputers, difference=difference, tolerance=tolerance,
+                    action="the stored header withdrawn and kept aside, its producer barred; the newer one stored, "
+                           "its audit to come")
+        if withdrawn:
+            self._shapes.pop(profile_id, None)  # the profile's layout is the next stored header's
+            await self._store_header(profile_id, upload, announcer)
         audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) if auditing \
             else None
         return HeaderOutcome.CONFLICT, audit
 
+    async def _store_header(self, profile_id: str, upload: KvUpload, announcer: str) -> bool:
+        """Stores the header as `announcer`'s, its audit to come; False if one is stored already."""
+        served, _ = await self._served(upload)
+        if not await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer, True):
+            return False
+        self._shapes[profile_id] = upload.shape  # the header's layout is the profile's
+        return True
+
+    @staticmethod
+    def _refused(profile_id: str, announcer: str, reason: str) -> tuple[HeaderOutcome, AuditResult | None]:
+        log.warning("kv_header_refused", profile_id=profile_id, worker_id=announcer, reason=reason)
+        return HeaderOutcome.REFUSED, None
+
     async def header_wanted(self, profile_id: str, worker_id: str) -> bool:
         """Whether to ask `worker_id` for the profile's header: none is stored (and the worker is not barred from
-        it), or the stored one waits for an audit by a worker other than its producer."""
+        it), or the stored one waits for an audit by a worker other than its producer (and than a worker whose header
+        differed from it)."""
         header_version = KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "")
         if worker_id in await run_blocking(self._audits.barred, header_version):
             return False
@@ -290,7 +321,8 @@ class KvPipeline:
         if entry is None:
             return True
         pending = await run_blocking(self._audits.pending, entry.key)
-        return pending is not None and pending.producer != worker_id
+        return pending is not None and pending.producer != worker_id and \
+            worker_id not in await run_blocking(self._audits.disputers, entry.key)
 
     # ------------------------------------------------------------------ facts
 
@@ -329,19 +361,21 @@ class KvPipeline:
 
     # ------------------------------------------------------------------ workers
 
-    async def lease(self, request: LeaseRequest) -> KvWorkLease:
+    async def lease(self, request: LeaseRequest, identity: str) -> KvWorkLease:
         """Records the worker's report and leases it facts of the profile, with the turns they were said in: audits
-        it may do first (audited facts look like any other), then queued facts. Returns the audits given up too."""
+        it may do first (audited facts look like any other), then queued facts. Returns the audits given up too.
+        `identity`: the worker as audits tell workers apart (its credential, Principal.worker_identity): it is not
+        leased audits of what that identity produced, nor work it is barred from."""
         await self._require_profile(request.profile_id)
         await run_blocking(self._worker_registry.record, WorkerReport(
             request.worker_id, request.profile_id, time.time(), request.facts_per_second, request.device))
         max_facts = min(request.max_facts or self._lease_max_facts, self._lease_max_facts)
         lease_seconds = request.lease_seconds or self._lease_seconds
         lease_id = uuid.uuid4().hex
-        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, request.worker_id, max_facts,
+        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, identity, max_facts,
                                                lease_id, time.time() + lease_seconds)
         leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts - len(audits),
-                                    lease_seconds, request.worker_id, lease_id)
+                                    lease_seconds, identity, lease_id)
         jobs = [Job(request.profile_id, a.key.user_id, a.key.fact_id, a.key.version) for a in audits] + leased.jobs
         by_user: dict[str, list[Job]] = {}
         for job in jobs:
@@ -358,7 +392,7 @@ class KvPipeline:
                 turns = await self._fact_store.turns_of_user(user_id)
                 last = max((i for i, turn in enumerate(turns) if turn.turn_id in sources), default=-1)
                 turns_by_user[user_id] = turns[: last + 1]
-        header_wanted = await self.header_wanted(request.profile_id, request.worker_id)
+        header_wanted = await self.header_wanted(request.profile_id, identity)
         return KvWorkLease(lease_id if facts else "", leased.expires_at, facts, turns_by_user, header_wanted,
                            abandoned)
 
@@ -401,14 +435,24 @@ class KvPipeline:
         return CompletionCounts(accepted, duplicates, stale, tuple(audited))
 
     async def _compare(self, audit: Audit, upload: KvUpload, auditor: str) -> AuditResult:
-        """An audit's result: the auditor's upload against the entry it audits (withdrawn when they differ)."""
+        """An audit's result: the auditor's upload against the entry it audits (withdrawn when they differ; when the
+        upload was computed from other inputs, e.g. an edited turn, the audit is stale and the fact computed again)."""
         key = audit.key
         entry = await run_blocking(self._kv_index.entry, key.profile_id, key.user_id, key.fact_id)
         stored = await run_blocking(self._kv_store.get, key) if entry is not None and entry.key == key else None
         if entry is None or stored is None:
             await run_blocking(self._audits.finish, audit)
             return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, 0.0)
-        difference = await self._difference(entry, stored, upload)
+        served, _ = await self._served(upload)
+        if served.key != entry.key:
+            # Computed from other inputs than the entry (e.g. a turn of its window was rewritten since): nothing to
+            # compare, nobody to blame; the entry is computed again from the current inputs.
+            await run_blocking(self._kv_store.quarantine, key, [], [])
+            log.info("kv_audit_stale", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
+                     version=key.version, producer=audit.producer, auditor=auditor,
+                     action="its inputs changed: computed again, nobody barred")
+            return AuditResult(key, AuditOutcome.STALE, audit.producer, auditor, 0.0)
+        difference = await run_blocking(kv_difference, stored, upload.blob)
         tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
         if difference <= tolerance:
             await run_blocking(self._audits.finish, audit)

@@ -232,18 +232,23 @@ class MemoryOperations:
     async def announce_profile(self, profile: AnnouncedProfile, header_kv: KvUpload | None, announcer: Announcer,
                                caller: Principal) -> int:
         """KvPipeline.announce: returns the facts queued for a new profile. Header KV comes from workers only
-        (Principal.authorize_kv_upload: the caller's credential, or the role the request declares)."""
+        (Principal.authorize_kv_upload: the caller's credential, or the role the request declares), under the
+        identity the caller's credential binds the announcer_id to (Principal.worker_identity)."""
+        announcer_id = announcer.announcer_id
         if header_kv is not None:
             caller.authorize_kv_upload("header_kv", announcer.role)
-        announcement = await self._kv_pipeline.announce(profile, header_kv, announcer.announcer_id)
+            announcer_id = caller.worker_identity(announcer_id, "announcer_id")
+        announcement = await self._kv_pipeline.announce(profile, header_kv, announcer_id)
         if announcement.header is HeaderOutcome.CONFLICT:
             self._metrics.kv_header_conflicts.inc()
         if announcement.audit is not None:
             self._count_audit(announcement.audit)
         return announcement.facts_queued
 
-    async def lease_kv_work(self, request: LeaseRequest) -> KvWorkLease:
-        lease = await self._kv_pipeline.lease(request)
+    async def lease_kv_work(self, request: LeaseRequest, caller: Principal) -> KvWorkLease:
+        """KvPipeline.lease, under the identity the caller's credential binds the worker_id to
+        (Principal.worker_identity)."""
+        lease = await self._kv_pipeline.lease(request, caller.worker_identity(request.worker_id, "worker_id"))
         self._metrics.kv_audits.labels(outcome=AuditOutcome.ABANDONED.value).inc(lease.audits_abandoned)
         if lease.facts:
             self._metrics.kv_facts_leased.inc(len(lease.facts))
@@ -253,10 +258,12 @@ class MemoryOperations:
     async def complete_kv_work(self, profile_id: str, lease_id: str, uploads: Sequence[KvUpload],
                                failures: Sequence[tuple[Job, str]], worker_id: str,
                                caller: Principal) -> CompletionCounts:
-        """KvPipeline.complete, for workers only (Principal.authorize_kv_upload)."""
+        """KvPipeline.complete, for workers only (Principal.authorize_kv_upload), under the identity the caller's
+        credential binds the worker_id to (Principal.worker_identity)."""
         if uploads:
             caller.authorize_kv_upload("results", "worker")
-        counts = await self._kv_pipeline.complete(profile_id, lease_id, uploads, failures, worker_id)
+        identity = caller.worker_identity(worker_id, "worker_id")
+        counts = await self._kv_pipeline.complete(profile_id, lease_id, uploads, failures, identity)
         self._metrics.kv_uploads.labels(outcome="accepted").inc(counts.accepted)
         self._metrics.kv_uploads.labels(outcome="duplicate").inc(counts.duplicates)
         self._metrics.kv_uploads.labels(outcome="stale").inc(counts.stale)

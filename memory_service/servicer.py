@@ -269,7 +269,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             facts_per_second=validate_rate(request.facts_per_second, "facts_per_second"),
             device=_worker_device(request),
         )
-        lease = await self._operations.lease_kv_work(lease_request)
+        lease = await self._operations.lease_kv_work(lease_request, CALLER.get())
         response = pb.LeaseKvWorkResponse(lease_id=lease.lease_id, header_kv_wanted=lease.header_wanted)
         if not lease.facts:
             return response

@@ -75,8 +75,11 @@ class PrecomputeWorker:
             worker_id=self.worker_id, profile_id=self.profile.profile_id, max_facts=self.max_facts,
             lease_seconds=self.lease_seconds, facts_per_second=self.stats.facts_per_second,
             device=pb.WorkerDevice(**dataclasses.asdict(reading)) if reading else None))
-        if lease.header_kv_wanted:
-            self.announce()  # the service lost the header KV (deleted or corrupt): every node needs it
+        if lease.header_kv_wanted:  # none is stored, or the stored one waits for another worker's audit
+            try:
+                self.announce()
+            except grpc.RpcError as exc:  # the lease is worked on all the same (it expires otherwise)
+                log.warning("header_announce_failed", code=exc.code().name, details=exc.details())
         if not lease.items:
             return 0
         jobs = [FactJob(FactKey(i.user_id, i.fact_id, i.version), i.text, i.source_turn_id) for i in lease.items]

@@ -18,6 +18,11 @@ from inferscale_kv.kv_key import HEADER_OWNER, KvKey
 from memory_service.coordination.work_queue import facts_condition, not_excluded
 from memory_service.sql import Database, Transaction
 
+# Audits one mismatch adds at most (KvAudits.escalate).
+ESCALATED_AUDITS_MAX = 10_000
+# kv_quarantine's reason for KV that differed from a stored entry which stayed served (KvAudits.dispute).
+DISPUTE_REASON = "header conflict: a differing header, set aside"
+
 
 @dataclass(frozen=True)
 class Audit:
@@ -57,15 +62,16 @@ class KvAudits:
                (key.profile_id, key.user_id, key.fact_id))
 
     def escalate(self, profile_id: str, producers: Sequence[str]) -> int:
-        """Every fact entry of the profile stored by one of `producers` is to be audited; returns the audits added."""
+        """The fact entries of the profile stored by one of `producers` are to be audited, the newest
+        ESCALATED_AUDITS_MAX of them (a mismatch costs a bounded amount of extra work); returns the audits added."""
         placeholders = ",".join("?" * len(producers))
         with self._database.transaction() as tx:
             return tx.run(
                 "INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
                 "SELECT profile_id, user_id, fact_id, version, content_id, producer, ? FROM kv_entries "
                 f"WHERE profile_id = ? AND user_id != ? AND producer IN ({placeholders}) "
-                "ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
-                (time.time(), profile_id, HEADER_OWNER, *producers))
+                "ORDER BY stored_at DESC LIMIT ? ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
+                (time.time(), profile_id, HEADER_OWNER, *producers, ESCALATED_AUDITS_MAX))
 
     def lease(self, profile_id: str, worker_id: str, max_facts: int, lease_id: str,
               expires: float) -> tuple[list[Audit], int]:
@@ -137,6 +143,23 @@ class KvAudits:
             tx.run("INSERT INTO kv_quarantine VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                    (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id,
                     hashlib.sha256(blob.blob).hexdigest(), blob.worker_id, blob.reason, time.time(), blob.blob))
+
+    def dispute(self, key: KvKey, producer: str, kept: QuarantinedBlob) -> None:
+        """A worker's differing KV for the entry stored under exactly `key` by `producer`: kept aside (its worker is
+        one of `disputers(key)`), and the entry audited again (by a worker neither its producer nor a disputer) if no
+        audit of it waits."""
+        with self._database.transaction() as tx:
+            self.keep_aside(tx, key, [kept])
+            tx.run("INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
+                   (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id, producer, time.time()))
+
+    def disputers(self, key: KvKey) -> list[str]:
+        """The workers whose KV differed from the entry stored under exactly `key` (`dispute`), sorted."""
+        return [worker for (worker,) in self._database.query(
+            "SELECT DISTINCT worker_id FROM kv_quarantine WHERE profile_id = ? AND user_id = ? AND fact_id = ? "
+            "AND version = ? AND content_id = ? AND reason = ? ORDER BY worker_id",
+            (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id, DISPUTE_REASON))]
 
     def drop_facts(self, tx: Transaction, user_id: str, fact_ids: Sequence[str] | None) -> None:
         """Within `tx`: removes the audits, bars and quarantined KV of the given facts (all of the user's when None),

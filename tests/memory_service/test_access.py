@@ -7,6 +7,7 @@ import json
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,7 +24,7 @@ from tests.conftest import run_worker
 
 TOKENS = {"acme-app": "acme-secret", "globex-app": "globex-secret", "nodes": "node-secret",
           "workers": "worker-secret", "ops": "admin-secret", "small-app": "small-secret", "kv-app": "kv-secret"}
-CREDENTIALS = [
+CREDENTIALS: list[dict[str, Any]] = [
     {"name": "acme-app", "role": "app", "user_prefix": "acme/", "token_sha256": token_digest(TOKENS["acme-app"])},
     {"name": "globex-app", "role": "app", "user_prefix": "globex/",
      "token_sha256": token_digest(TOKENS["globex-app"])},
@@ -77,6 +78,19 @@ def test_an_app_may_touch_only_users_under_its_prefix():
         acme.authorize("SearchFacts", pb.SearchFactsRequest(user_id="globex/maya"))
     with pytest.raises(PermissionDenied, match="must name one of its users"):
         acme.authorize("GetStats", pb.GetStatsRequest())
+
+
+def test_a_worker_id_is_bound_to_the_workers_credential():
+    """Regression (issue 31 review, C1): the worker ids a request claimed were taken as they came, so one worker
+    credential could produce KV as one name and audit it as another. Now a claim must be the credential's name or
+    `name/<process>`, and the identity audits compare is the credential's name."""
+    workers = _access().authenticate(_bearer("workers"))
+    assert workers.worker_identity("workers", "worker_id") == "workers"
+    assert workers.worker_identity("workers/gpu-1", "worker_id") == "workers"
+    for claimed in ("evil-2", "workers2", "workers-b/gpu-1", "other/workers"):
+        with pytest.raises(PermissionDenied, match="announcer_id"):
+            workers.worker_identity(claimed, "announcer_id")
+    assert AccessControl().authenticate({}).worker_identity("anything", "worker_id") == "anything"
 
 
 @pytest.mark.parametrize(("name", "method", "request_message"), [
@@ -180,7 +194,7 @@ def test_worker_with_its_token_from_the_environment_computes_kv(guarded_service,
     guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="acme/leo", facts=[pb.FactInput(text="Leo bakes bread.")]),
                              metadata=_metadata("acme-app"))
     monkeypatch.setenv(WORKER_TOKEN_ENV, TOKENS["workers"])
-    run_worker(guarded_service, tiny_llama_dir)
+    run_worker(guarded_service, tiny_llama_dir, "--worker-id", "workers/test")
     stats = guarded_stub.GetStats(pb.GetStatsRequest(), metadata=_metadata("workers"))
     assert [profile.done for profile in stats.profiles] == [stats.facts]
 
@@ -208,7 +222,7 @@ def test_a_tenant_whose_stored_kv_reached_its_quota_cannot_add_facts(guarded_ser
     guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="kvq/ann", facts=[pb.FactInput(text="Ann hikes.")]),
                              metadata=kv_app)
     monkeypatch.setenv(WORKER_TOKEN_ENV, TOKENS["workers"])
-    run_worker(guarded_service, tiny_llama_dir)
+    run_worker(guarded_service, tiny_llama_dir, "--worker-id", "workers/test")
     with pytest.raises(grpc.RpcError) as error:
         guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="kvq/bob", facts=[pb.FactInput(text="Bob swims.")]),
                                  metadata=kv_app)

@@ -10,6 +10,8 @@ refused, and the header served afterwards (RetrieveAndStage's header_content_id,
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +25,8 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.call_credentials import WORKER_TOKEN_ENV
-from inferscale_kv.kv_key import header_key
-from inferscale_kv.layout import memory_header_ids
+from inferscale_kv.kv_key import content_id, header_key
+from inferscale_kv.layout import fact_token_ids, memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from memory_service.access import token_digest
@@ -39,7 +41,7 @@ CREDENTIALS = [
     {"name": "acme", "role": "app", "user_prefix": "acme/", "token_sha256": token_digest(TOKENS["acme"])},
 ]
 USER = "acme/maya"
-WORKER_ID = "real-worker"
+WORKER_ID = "workers/real-worker"  # with access control on: its credential's name, then the process
 
 
 def _metadata(name: str | None) -> tuple[tuple[str, str], ...]:
@@ -131,3 +133,93 @@ def test_a_planted_header_is_refused_and_the_real_workers_header_is_served(servi
                                                   header_content_id=retrieved.header_content_id),
                                 metadata=_metadata(node))
         assert reply.blob == workers_header and reply.blob != planted_header
+
+
+# Two worker credentials: a hostile worker holds one of them.
+AUDIT_TOKENS = {**TOKENS, "workers-b": "worker-b-secret"}
+AUDIT_CREDENTIALS = [*CREDENTIALS, {"name": "workers-b", "role": "worker",
+                                    "token_sha256": token_digest(AUDIT_TOKENS["workers-b"])}]
+
+
+def _as(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {AUDIT_TOKENS[name]}"),)
+
+
+@pytest.fixture(scope="module")
+def audited_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
+    """Access control on, two worker credentials, every new fact KV audited."""
+    root = tmp_path_factory.mktemp("header-trust-audit")
+    (root / "credentials.json").write_text(json.dumps({"credentials": AUDIT_CREDENTIALS}))
+    process = MemoryServiceProcess(root / "data", root / "service.log", "--auth-file", str(root / "credentials.json"),
+                                   "--kv-audit-share", "1").start()
+    yield process
+    process.stop()
+
+
+def _audit_outcomes(service: MemoryServiceProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {outcome: float(count) for outcome, count in
+            re.findall(r'^inferscale_kv_audits_total\{outcome="(\w+)"\} (\S+)$', text, re.MULTILINE)
+            if float(count)}
+
+
+def _announce_header(stub, profile: pb.KvProfile, header: bytes, announcer_id: str, credential: str) -> None:
+    stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                   announcer_id=announcer_id, header_kv=header),
+                         metadata=_as(credential))
+
+
+def _lease(stub, profile: pb.KvProfile, worker_id: str, credential: str) -> pb.LeaseKvWorkResponse:
+    return stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=worker_id, profile_id=profile.profile_id),
+                            metadata=_as(credential))
+
+
+def test_a_worker_credential_cannot_claim_another_workers_id(audited_service, profile, planted_header) -> None:
+    """Regression (issue 31 review, C1): worker_id and announcer_id were taken as the request claimed them."""
+    with audited_service.channel() as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        calls = [lambda: _announce_header(stub, profile, planted_header, "evil-1", "workers"),
+                 lambda: _lease(stub, profile, "workers-b", "workers"),
+                 lambda: stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id="x", worker_id="evil-2",
+                                                                      profile_id=profile.profile_id),
+                                             metadata=_as("workers"))]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as raised:
+                call()
+            assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED, raised.value.details()
+            assert "is not credential 'workers'" in raised.value.details()
+
+
+def test_one_worker_credential_never_audits_its_own_header_or_fact_kv(audited_service, profile, planted_header,
+                                                                      tokenizer) -> None:
+    """Regression (issue 31 review, C1): one worker credential stored a poisoned header as `evil-1`, leased as
+    `evil-2` (asked for the header: "another worker") and announced the same blob again: the audit matched, and the
+    header was served to every user, never audited again. The same held for fact KV. Now both processes of one
+    credential are one worker to the audit; a worker of another credential audits."""
+    with audited_service.channel() as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        _announce_header(stub, profile, planted_header, "workers/evil-1", "workers")
+        assert not _lease(stub, profile, "workers/evil-2", "workers").header_kv_wanted
+        _announce_header(stub, profile, planted_header, "workers/evil-2", "workers")
+        assert _audit_outcomes(audited_service) == {}
+        assert _lease(stub, profile, "workers-b", "workers-b").header_kv_wanted  # the audit still waits for it
+
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=USER, facts=[pb.FactInput(fact_id="bees",
+                                                                                 text="Maya keeps bees.")]),
+                         metadata=_metadata("acme"))
+        lease = _lease(stub, profile, "workers/evil-1", "workers")
+        (item,) = [item for item in lease.items if item.fact_id == "bees"]
+        header_ids = memory_header_ids(tokenizer)
+        tokens = fact_token_ids(tokenizer, item.text)
+        keys, values = (torch.randn((4, len(tokens), 2, 64), generator=torch.Generator().manual_seed(1))
+                        for _ in range(2))
+        blob = encode_kv_blob(KvBlobHeader(profile.profile_id, USER, item.fact_id, item.version, "float32", 4,
+                                           len(tokens), 2, 64, tuple(tokens),
+                                           content_id(profile.profile_id, header_ids, tokens)), keys, values)
+        upload = pb.FactKvUpload(user_id=USER, fact_id=item.fact_id, version=item.version, blob=blob)
+        assert stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id="workers/evil-1",
+                                                            profile_id=profile.profile_id, results=[upload]),
+                                   metadata=_as("workers")).accepted == 1
+        assert not _lease(stub, profile, "workers/evil-2", "workers").items  # its own KV: not its audit
+        assert [i.fact_id for i in _lease(stub, profile, "workers-b/1", "workers-b").items] == ["bees"]

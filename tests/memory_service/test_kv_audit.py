@@ -28,7 +28,13 @@ from inferscale_kv.kv_key import content_id
 from inferscale_kv.layout import fact_token_ids, memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+from memory_service.coordination import audits as audits_module
+from memory_service.coordination.audits import KvAudits
+from memory_service.coordination.schema import create_schema
 from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference
+from memory_service.sql import SqliteDatabase
+from precompute_worker.encoder import FactKey
+from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
 from precompute_worker.worker import profile_message
 from tests.conftest import run_worker
 
@@ -166,3 +172,85 @@ def test_deleting_a_user_drops_its_quarantined_kv(service, stub) -> None:
     assert _quarantined_workers(service, "victim")
     stub.DeleteUser(pb.DeleteUserRequest(user_id="victim"))
     assert _quarantined_workers(service, "victim") == []
+
+
+def test_an_audit_of_kv_whose_turns_changed_is_stale_and_the_fact_computed_again(service, stub,
+                                                                                tiny_llama_dir) -> None:
+    """Regression (issue 31 review, H3): IngestTurns rewrites a turn by its id and leaves the facts' KV; the auditor
+    then encodes another window, so its content id differs from the entry's and the audit counted as a mismatch:
+    both honest workers barred, everything they stored audited again. Now it is stale: the entry is computed again
+    from the current turns, nobody is barred, nothing kept aside, no audits added."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    profile = profile_message(build_model_profile(tiny_llama_dir, tokenizer, "float32", DEFAULT_CONTEXT_WINDOW))
+    stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                   announcer_id="edit-producer"))
+    user = "edited"
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id=user, turns=[
+        pb.Turn(turn_id=f"t{i}", seq=i, speaker="Ana", text=f"turn number {i}") for i in range(3)]))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+        pb.FactInput(fact_id="f", text="Ana keeps bees.", source_turn_id="t2")]))
+    builder = GroupBuilder(tokenizer, memory_header_ids(tokenizer), DEFAULT_CONTEXT_WINDOW, 0, 4096)
+
+    def compute(worker: str) -> pb.LeaseKvWorkResponse:
+        """Leases as `worker` and uploads the same tensors for the user's fact, named after the window it was
+        leased with."""
+        lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=worker, profile_id=profile.profile_id))
+        jobs = [FactJob(FactKey(i.user_id, i.fact_id, i.version), i.text, i.source_turn_id) for i in lease.items
+                if i.user_id == user]
+        turns = {u.user_id: [ConversationTurn(t.turn_id, t.speaker, t.text) for t in u.turns] for u in lease.turns}
+        (group,) = builder.naive(jobs, turns)
+        spec = group.facts[0]
+        keys = torch.ones((4, len(spec.token_ids), 2, 64))
+        header = KvBlobHeader(profile.profile_id, user, "f", jobs[0].key.version, "float32", 4, len(spec.token_ids),
+                              2, 64, tuple(spec.token_ids),
+                              content_id(profile.profile_id, group.context_ids[:spec.prefix_length], spec.token_ids))
+        upload = pb.FactKvUpload(user_id=user, fact_id="f", version=jobs[0].key.version,
+                                 blob=encode_kv_blob(header, keys, torch.ones_like(keys)))
+        stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id=worker,
+                                                     profile_id=profile.profile_id, results=[upload]))
+        return lease
+
+    compute("edit-producer")
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id=user, turns=[pb.Turn(turn_id="t0", seq=0, speaker="Ana",
+                                                                        text="edited")]))
+    before = _audits(service)
+    waiting = _gauge(service, "inferscale_kv_audits_waiting")
+    compute("edit-auditor")  # the audit of the producer's entry, from the edited window
+    after = _audits(service)
+    assert after.get("mismatch", 0) == before.get("mismatch", 0)
+    assert after.get("stale", 0) == before.get("stale", 0) + 1
+    assert _quarantined_workers(service, user) == [] and _barred(service, user) == []
+    assert _gauge(service, "inferscale_kv_audits_waiting") == waiting - 1  # its own audit done, none added
+    assert not _retrieved(stub, profile, user)["f"].kv_ready  # served as text until computed again
+    lease = compute("edit-producer")  # not barred: it computes the fact again, from the current turns
+    assert [item.fact_id for item in lease.items if item.user_id == user] == ["f"]
+    assert _retrieved(stub, profile, user)["f"].kv_ready
+
+
+def _gauge(service: MemoryServiceProcess, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _barred(service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str]]:
+    path = Path(service.data_dir) / "kv" / "index.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
+        rows = database.execute("SELECT fact_id, worker_id FROM kv_exclusions WHERE user_id = ?", (user_id,)).fetchall()
+    database.close()
+    return rows
+
+
+def test_a_mismatch_adds_a_bounded_number_of_audits(tmp_path: Path, monkeypatch) -> None:
+    """Regression (issue 31 review, H3): a mismatch had every entry either worker stored audited, however many."""
+    database = SqliteDatabase(tmp_path / "index.sqlite")
+    create_schema(database)
+    with database.transaction() as tx:
+        for index in range(5):
+            tx.run("INSERT INTO kv_entries (profile_id, user_id, fact_id, version, content_id, token_ids, nbytes, "
+                   "stored_at, producer) VALUES ('p', 'u', ?, 1, 'c', '[]', 1, ?, 'w')", (f"f{index}", index))
+    monkeypatch.setattr(audits_module, "ESCALATED_AUDITS_MAX", 3)
+    audits = KvAudits(database, max_attempts=3)
+    assert audits.escalate("p", ["w"]) == 3
+    assert sorted(fact for (fact,) in database.query("SELECT fact_id FROM kv_audits")) == ["f2", "f3", "f4"]

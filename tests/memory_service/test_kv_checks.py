@@ -1,8 +1,9 @@
 """What the service checks of uploaded KV, through a real memory service with workers played by the test: a header
 must be the profile's (its token ids hash to header_hash), every blob must be stored as the profile's kv_dtype, laid
 out as the profile's stored KV and hold finite values; a rejected upload stores nothing. A second header that differs
-from the stored one beyond the dtype's tolerance is a loud conflict: counted, logged with both workers, both blobs
-kept aside and neither served, both workers barred from the header; another worker is asked for it."""
+from the stored one beyond the dtype's tolerance is a loud conflict: counted, logged with both workers, the newer one
+kept aside and its worker refused for that header from then on, the stored one still served while a third worker is
+asked for it; a second worker's differing header withdraws the stored one and bars its producer."""
 
 from __future__ import annotations
 
@@ -114,7 +115,6 @@ HEADER_CASES = [
     ("another dtype", {"dtype": "bfloat16"}, "kv_dtype is float32"),
     ("a NaN", {"keys": torch.full((LAYERS, len(HEADER_IDS), HEADS, DIM), float("nan"))}, "NaN"),
     ("an infinity", {"keys": torch.full((LAYERS, len(HEADER_IDS), HEADS, DIM), float("inf"))}, "infinity"),
-    ("another layout", {"layers": LAYERS + 1}, "layers"),
 ]
 
 
@@ -169,7 +169,11 @@ def test_fact_kv_that_does_not_fit_the_profile_is_refused_and_nothing_of_the_cal
     assert (stats.done, stats.leased) == (0, 2)
 
 
-def test_a_differing_header_is_a_loud_conflict_and_neither_is_served(stub, service) -> None:
+def test_a_differing_header_is_a_loud_conflict_set_aside_and_a_third_worker_decides(stub, service) -> None:
+    """Regression (issue 31 review, H1): a differing header withdrew the stored, audited header and barred its honest
+    producer, and a barred worker's header was compared (and withdrew the next honest header) whenever one was stored.
+    Now the newer one is set aside (loud: counted, logged, quarantined), the stored one stays served, and the worker
+    whose header differed is refused before any comparison."""
     profile = _profile("header-conflict")
     stored = _header(profile, seed=0)
     _announce(stub, profile, stored, "w-a")
@@ -185,32 +189,66 @@ def test_a_differing_header_is_a_loud_conflict_and_neither_is_served(stub, servi
     differing = _header(profile, seed=9)
     _announce(stub, profile, differing, "w-c")  # not an error to the worker: it is told nothing
     assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
-    assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches  # audit was done
-    assert _served_header(stub, profile) == b""  # nodes serve the memory as text meanwhile
-    assert [(worker, blob) for worker, _, blob in _quarantined(service, profile)] == [("w-a", stored),
-                                                                                      ("w-c", differing)]
+    assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches
+    assert _served_header(stub, profile) == stored  # the stored header stays served
+    assert [(worker, blob) for worker, _, blob in _quarantined(service, profile)] == [("w-c", differing)]
     logged = [json.loads(line) for line in service.log_path.read_text().splitlines()
               if '"kv_header_conflict"' in line]
     assert [(entry["stored_by"], entry["differing_from"]) for entry in logged
             if entry["profile_id"] == profile.profile_id] == [("w-a", "w-c")]
-    assert not _header_wanted(stub, profile, "w-a") and not _header_wanted(stub, profile, "w-c")  # both barred
-    _announce(stub, profile, stored, "w-a")
-    assert _served_header(stub, profile) == b""  # a barred worker's header is not stored
-    assert _header_wanted(stub, profile, "w-d")
-    _announce(stub, profile, stored, "w-d")
-    served = _served_header(stub, profile)  # the same KV under another name than the withdrawn header's
-    assert decode_kv_blob(served).header.content_id != decode_kv_blob(stored).header.content_id
-    assert kv_difference(stored, served) == 0.0 and _header_wanted(stub, profile, "w-b")  # its audit to come
-    _announce(stub, profile, stored, "w-b")
+    assert not _header_wanted(stub, profile, "w-c")  # it differed: never asked again for this header
+    for _ in range(3):  # nor heard: refused before any comparison, so it knocks nothing out
+        _announce(stub, profile, differing, "w-c")
+    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
+    assert _served_header(stub, profile) == stored
+    assert any(json.loads(line).get("worker_id") == "w-c" for line in service.log_path.read_text().splitlines()
+               if '"kv_header_refused"' in line)
+    assert not _header_wanted(stub, profile, "w-a")  # its producer is not barred, but it does not audit itself
+    assert _header_wanted(stub, profile, "w-d")  # a third worker is asked
+    _announce(stub, profile, stored, "w-d")  # and agrees with the stored header
     assert _counter(service, "inferscale_kv_audits_total", '{outcome="match"}') == matches + 2
-    assert _served_header(stub, profile) == served
+    assert _served_header(stub, profile) == stored and not _header_wanted(stub, profile, "w-e")
 
 
-def test_a_header_whose_first_audit_differs_is_withdrawn_and_counted_as_a_mismatch(stub, service) -> None:
+def test_a_header_two_workers_dispute_is_withdrawn_its_producer_barred_and_counted_as_a_mismatch(stub,
+                                                                                                 service) -> None:
     profile = _profile("header-audit-mismatch", kv_dtype="bfloat16")
     mismatches = _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}')
-    _announce(stub, profile, _header(profile, seed=0), "w-a")
+    first, second = _header(profile, seed=0), _header(profile, seed=1)
+    _announce(stub, profile, first, "w-a")
     assert _header_wanted(stub, profile, "w-b")
-    _announce(stub, profile, _header(profile, seed=1), "w-b")
+    _announce(stub, profile, second, "w-b")  # one disagreement: set aside, the stored header stays
+    assert _served_header(stub, profile) == first and len(_quarantined(service, profile)) == 1
+    assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches
+    assert _header_wanted(stub, profile, "w-c")
+    _announce(stub, profile, second, "w-c")  # a second worker disagrees: the stored header goes, its producer barred
     assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches + 1
-    assert _served_header(stub, profile) == b"" and len(_quarantined(service, profile)) == 2
+    served = _served_header(stub, profile)  # w-c's header, under another name than the withdrawn one's
+    assert kv_difference(served, second) == 0.0
+    assert decode_kv_blob(served).header.content_id != decode_kv_blob(first).header.content_id
+    assert [worker for worker, _, _ in _quarantined(service, profile)] == ["w-b", "w-a"]
+    assert not _header_wanted(stub, profile, "w-a")
+    _announce(stub, profile, first, "w-a")  # barred: refused before any comparison
+    assert _served_header(stub, profile) == served
+    assert _header_wanted(stub, profile, "w-b")  # the new header's audit
+
+
+def test_a_header_of_another_layout_is_a_conflict_not_a_lock_on_the_profile(stub, service) -> None:
+    """Regression (issue 31 review, H2): the first header's layout became the profile's, so an honest header of the
+    model's layout after a bogus first one was INVALID_ARGUMENT (no conflict, no audit) and the profile stayed locked
+    to the bogus layout. Now it is a differing header like any other: a conflict, and two of them withdraw the
+    bogus one; the profile's layout is then the honest header's, whose facts are accepted."""
+    profile = _profile("header-layout")
+    bogus, honest = _header(profile, layers=LAYERS + 1), _header(profile, seed=1)
+    conflicts = _counter(service, "inferscale_kv_header_conflicts_total")
+    _announce(stub, profile, bogus, "w-bogus")
+    _announce(stub, profile, honest, "w-a")  # no error: a conflict, set aside
+    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
+    assert _served_header(stub, profile) == bogus
+    _announce(stub, profile, honest, "w-b")  # a second worker: the bogus header is withdrawn, the honest one stored
+    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 2
+    assert kv_difference(_served_header(stub, profile), honest) == 0.0
+    lease, uploads = _lease_and_upload(stub, profile, "w-a", lambda index: ("float32", LAYERS, None))
+    assert stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id="w-a",
+                                                        profile_id=profile.profile_id,
+                                                        results=uploads)).accepted == len(uploads) == 2
