@@ -86,6 +86,8 @@ class ServiceMetrics:
             "mismatch: withdrawn and queued for a third worker, stale, abandoned)", ["outcome"],
             registry=self.registry,
         )
+        for audit_outcome in ("match", "mismatch", "stale", "abandoned"):  # 0 until the first: alerts see a series
+            self.kv_audits.labels(outcome=audit_outcome)
         self.kv_header_conflicts = Counter(
             "inferscale_kv_header_conflicts", "a worker's memory header differing from the stored one (both withdrawn "
             "and kept aside)", registry=self.registry,

@@ -278,6 +278,14 @@ MEMORY_SERVICE = Dashboard(
             Panel("Worker device utilization", "Each GPU worker's device utilization, as it last reported.",
                   "percent",
                   (Query("max by (worker_id) (inferscale_worker_device_utilization_percent)", "{{worker_id}}"),)),
+            Panel("KV audits",
+                  "Stored KV another worker computed again, by outcome, and memory headers that differed from the "
+                  "stored one, per second; the audits waiting for a worker. A mismatch or a header conflict means a "
+                  "worker produced KV another computed differently: its entry is served as text until recomputed "
+                  "(alert InferScaleKvAuditMismatch).", "short",
+                  (Query(f"sum by (outcome) (rate(inferscale_kv_audits_total[{RATE}]))", "audited {{outcome}}"),
+                   Query(f"sum(rate(inferscale_kv_header_conflicts_total[{RATE}]))", "header conflicts"),
+                   Query("max(inferscale_kv_audits_waiting)", "waiting"))),
         )),
         Row("Fact KV read for the nodes", (
             Panel("KV bytes read by tier",
@@ -396,6 +404,18 @@ INFERENCE_NODE = Dashboard(
                          f"/ on (instance) group_left "
                          f"sum by (instance) (rate({MEMORY_REQUESTS}[{RATE}]))", "{{reason}} {{instance}}"),),
                   ratio=True, thresholds=((0.01, ORANGE), (0.05, RED)), lines=True),
+        )),
+        Row("Router", (
+            Panel("Requests per node",
+                  "Requests vLLM's router sent to each node, per second (consistent hashing on the user header: a "
+                  "user's requests go to one node, so an uneven split is the users' own).", "reqps",
+                  (Query(f'sum by (worker) (rate(vllm_router_processed_requests_total{{job="inference-router"}}'
+                         f'[{RATE}]))', "{{worker}}"),)),
+            Panel("Nodes the router admits",
+                  "Per node: healthy by the router's health checks (1) and its circuit breaker closed (0; 1: open, "
+                  "2: half open). A node out of the ring has its users hashed onto the others.", "short",
+                  (Query('min by (worker) (vllm_router_worker_health{job="inference-router"})', "healthy {{worker}}"),
+                   Query('max by (worker) (vllm_router_cb_state{job="inference-router"})', "breaker {{worker}}"))),
         )),
         Row("vLLM", (
             Panel("Time to first token", "vLLM's, from the request's arrival in vLLM (after the memory step).", "s",

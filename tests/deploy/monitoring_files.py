@@ -19,7 +19,7 @@ SCRAPE_CONFIG_FILE = MONITORING / "prometheus-scrape-config.yaml"
 DASHBOARD_FILES = sorted((MONITORING / "dashboards").glob("*.json"))
 ALERT_TESTS_FILE = Path(__file__).resolve().parent / "alerts.test.yaml"
 # The job label of each component's targets, as podmonitors.yaml and prometheus-scrape-config.yaml set it.
-JOBS = ("memory-service", "inference-node")
+JOBS = ("memory-service", "inference-node", "inference-router")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import yaml
 
 from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
+from harness.router import RouterProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from tests.conftest import run_worker
@@ -48,8 +49,8 @@ class Stack:
     memory_requests: int
 
 
-def _post(node: InferenceNodeProcess, body: dict) -> None:
-    request = urllib.request.Request(f"{node.base_url}/v1/completions", data=json.dumps(body).encode(),
+def _post(base_url: str, body: dict) -> None:
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
         assert response.status == 200
@@ -72,6 +73,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
     root = tmp_path_factory.mktemp("monitoring")
     service = MemoryServiceProcess(root / "data", root / "service.log").start()
     node: InferenceNodeProcess | None = None
+    router: RouterProcess | None = None
     prometheus: PrometheusServer | None = None
     try:
         with service.channel() as channel:
@@ -93,10 +95,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
             node = InferenceNodeProcess(service.address, tiny_llama_dir, root / "node", *NODE_FLAGS).start()
             complete(node, QUESTION, {"user_id": "ada", "mode": "kv"})  # warm-up, before Prometheus watches
 
+            router = RouterProcess([node.base_url], root).start()  # vLLM's router in front, as deploy/k8s runs it
+
             prometheus = PrometheusServer(root / "prometheus", {
                 "memory-service": [f"127.0.0.1:{service.metrics_port}"],
-                "inference-node": [f"127.0.0.1:{node.port}"]}, [RULES_FILE]).start()
-            _wait_for(lambda: _value(prometheus, "sum(up)") == len(JOBS), "both targets up")
+                "inference-node": [f"127.0.0.1:{node.port}"],
+                "inference-router": [f"127.0.0.1:{router.metrics_port}"]}, [RULES_FILE]).start()
+            _wait_for(lambda: _value(prometheus, "sum(up)") == len(JOBS), "every target up")
             time.sleep(2)  # a few scrapes before the traffic, so that every counter's increase is seen
 
             memory_requests = 1
@@ -104,6 +109,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
                 for mode in ("kv", "text", "off"):
                     complete(node, QUESTION, {"user_id": user, "mode": mode})
                     memory_requests += 1
+            _post(router.base_url, {"model": str(tiny_llama_dir), "prompt": QUESTION, "max_tokens": 4})
             stub.IngestFacts(pb.IngestFactsRequest(user_id="cy", facts=[
                 pb.FactInput(fact_id="f0", text="Cy collects maps of imaginary islands.")]))
             stub.SearchFacts(pb.SearchFactsRequest(user_id="ada", query="Where does her sister live?", top_k=2))
@@ -111,10 +117,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
                 stub.DeleteUser(pb.DeleteUserRequest(user_id="nobody-here"))
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
             # A client sending its own load plan and a reserved salt: stripped by the middleware, and counted.
-            _post(node, {"model": str(tiny_llama_dir), "prompt": QUESTION, "max_tokens": 4,
+            _post(node.base_url, {"model": str(tiny_llama_dir), "prompt": QUESTION, "max_tokens": 4,
                          "kv_transfer_params": {"profile_id": "forged"}, "cache_salt": "isk-forged"})
 
-        _wait_for(lambda: _value(prometheus, "sum(inferscale_node_memory_requests_total)") == memory_requests
+        _wait_for(lambda: _value(prometheus, "sum(vllm_router_processed_requests_total)") > 0
+                  and _value(prometheus, "sum(inferscale_node_memory_requests_total)") == memory_requests
                   and _value(prometheus, "sum(inferscale_node_client_plans_refused_total)") > 0
                   and _value(prometheus, 'sum(inferscale_rpc_requests_total{code="NOT_FOUND"})') > 0,
                   "Prometheus to scrape the traffic")
@@ -123,6 +130,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
     finally:
         if prometheus is not None:
             prometheus.stop()
+        if router is not None:
+            router.stop()
         if node is not None:
             node.stop()
         service.stop()
@@ -154,10 +163,10 @@ def _selector_problems(stack: Stack, selector: Selector) -> list[str]:
     return problems
 
 
-def test_prometheus_scrapes_the_memory_service_and_the_node(stack: Stack) -> None:
+def test_prometheus_scrapes_the_memory_service_the_node_and_the_router(stack: Stack) -> None:
     targets = stack.prometheus.api("targets")["activeTargets"]
     assert sorted((target["labels"]["job"], target["health"]) for target in targets) == [
-        ("inference-node", "up"), ("memory-service", "up")]
+        ("inference-node", "up"), ("inference-router", "up"), ("memory-service", "up")]
 
 
 def test_every_series_a_panel_or_alert_names_is_exported_with_its_labels(stack: Stack) -> None:
