@@ -173,25 +173,26 @@ def question_of(payload: dict, path: str, memory: MemoryRequest) -> str:
         field = f"messages[{users[-1]}].content" if users else "messages"
         text = _text_of(messages[users[-1]].get("content"), field) if users else ""
         if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
-            _text_of(messages[0].get("content"), "messages[0].content")  # what the memory's system message takes
+            # What the memory's system message takes: tokenized with it, so Unicode throughout.
+            _unicode(_text_of(messages[0].get("content"), "messages[0].content"), "messages[0].content")
     else:
         field, text = "prompt", payload.get("prompt", "")
         if not isinstance(text, str):
             raise RequestRefused("prompt: with memory, must be one string (not token ids or a list)")
-    query = text.replace("\x00", "").strip()[:MAX_QUERY_CHARS]
+    query = _unicode(text, field).replace("\x00", "").strip()[:MAX_QUERY_CHARS]
     if memory.mode != "off" and not query:
         raise RequestRefused(f"{field}: with memory, the question must be text that is not empty or whitespace")
-    if not _is_unicode(query):
-        raise RequestRefused(f"{field}: must be Unicode text (it holds a lone surrogate escape)")
     return query
 
 
-def _is_unicode(text: str) -> bool:
+def _unicode(text: str, field: str) -> str:
+    """`text`, whole, if it is Unicode text: the node tokenizes all of it (a completions prompt), not only the
+    memory service's query."""
     try:
         text.encode()
     except UnicodeEncodeError:
-        return False
-    return True
+        raise RequestRefused(f"{field}: must be Unicode text (it holds a lone surrogate escape)") from None
+    return text
 
 
 class MemoryMiddleware:

@@ -220,6 +220,18 @@ def test_a_blank_question_in_memory_mode_is_a_400_not_an_answer_without_memory(n
     assert off.summary == {"mode": "off"}
 
 
+def test_a_lone_surrogate_anywhere_in_the_question_is_a_400_not_a_500(node, client, node_memory_service) -> None:
+    """Past the part the memory service is asked with (MAX_QUERY_CHARS) too: the node tokenizes the whole prompt."""
+    question = "a" * 2100 + "\ud800"
+    before = _retrievals(node_memory_service)
+    for mode in ("kv", "text"):
+        answer = client.post("/v1/completions", _named(node, _completion({"user_id": "maya", "mode": mode}, question)))
+        assert answer.status == 400 and answer.message.startswith("prompt:"), answer.body
+        answer = client.post("/v1/chat/completions", _named(node, _chat({"user_id": "maya", "mode": mode}, question)))
+        assert answer.status == 400 and answer.message.startswith("messages[0].content:"), answer.body
+    assert _retrievals(node_memory_service) == before
+
+
 # ------------------------------------------------------------------------------------------ generated requests
 
 json_values = st.recursive(
