@@ -13,6 +13,7 @@ from inferscale_kv.options import OptionError, OptionParser, option
 
 ENV_PREFIX = "INFERSCALE_"
 EMBEDDING_BACKENDS = ("onnx", "torch")
+RETRIEVAL_MODES = ("vector", "keyword", "hybrid")  # memory_service.models.RetrievalMode
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,10 @@ class ServiceConfig:
     kv_audit_share: float = option(
         0.05, help="share of new fact KV that another worker computes again to compare (sampled per user and "
         "completion; 0: none); every profile's memory header is audited regardless")
+    retrieval_mode: str = option(
+        "hybrid", choices=RETRIEVAL_MODES,
+        help="how a search that names no retrieval mode ranks a user's facts: vector (cosine of the embeddings), "
+        "keyword (BM25 of the text) or hybrid (both, fused by reciprocal rank)")
     search_cache_mb: int = option(
         256, help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
     # Bounded: LanceDB's default caches keep a manifest per table version, and every write is a version

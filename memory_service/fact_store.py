@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
-from lancedb.index import BTree
+from lancedb.index import FTS, BTree
 
 from memory_service.blocking import run_blocking
 from memory_service.coordination.store_meta import StoreMeta
@@ -44,6 +44,9 @@ log = structlog.get_logger(__name__)
 FACTS_TABLE = "facts"
 TURNS_TABLE = "turns"
 EMBEDDING_META = "embedding"  # the store_meta entry naming the embedding model and dimension
+# LanceDB's BM25 index on fact text: lower-cased, ASCII-folded, stemmed (English), stop words out; no positions
+# (phrase queries are not offered).
+TEXT_INDEX = FTS(with_position=False)
 
 
 class StoreMismatch(RuntimeError):
@@ -153,6 +156,7 @@ class FactStore:
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
         for table in (self._facts, self._turns):
             await self._ensure_user_index(table)
+        await self._ensure_text_index()
 
     def _check_store_meta(self) -> None:
         """Refuses a store written with another embedding model or dimension."""
@@ -199,8 +203,21 @@ class FactStore:
         if "user_id" in indexed:
             self._user_indexed_tables.add(table.name)
 
+    async def _ensure_text_index(self) -> None:
+        """The full-text index on fact text that keyword search needs (LanceDB builds it on an empty table too; rows
+        written after it are searched unindexed, still exactly, until `optimize` folds them in)."""
+        table = self._facts_table
+        if "text" in await _indexed_columns(table):
+            return
+        try:
+            await table.create_index("text", config=TEXT_INDEX)
+        except (RuntimeError, ValueError) as error:  # another replica's build or compaction committed first
+            await table.checkout_latest()
+            if "text" not in await _indexed_columns(table):
+                raise error
+
     async def optimize(self) -> bool:
-        """Compacts small write fragments and folds new rows into the indices. A compaction preempted by a
+        """Compacts small write fragments and folds new rows into the indices (the user and the text index). A compaction preempted by a
         concurrent write (another replica's) is left to the next call. Returns whether every table was compacted;
         writes committed while it ran still count towards the next call."""
         writes = self._writes_since_optimize
@@ -347,6 +364,20 @@ class FactStore:
             .to_list()
         )
         return [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
+
+    async def keyword_search(self, user_id: str, text: str, top_k: int) -> list[ScoredFact]:
+        """The user's top-k facts by BM25 of `text` against their text, best first, ties by fact_id; facts sharing
+        no indexed word with it are not returned. From LanceDB's full-text index, prefiltered by user (exact)."""
+        rows = await (
+            self._facts_table.query()
+            .nearest_to_text(text, columns="text")
+            .where(f"user_id = '{user_id}'")
+            .select([*FACT_ROW_COLUMNS, "_score"])
+            .limit(top_k)
+            .to_list()
+        )
+        ranked = sorted(rows, key=lambda row: (-float(row["_score"]), row["fact_id"]))
+        return [ScoredFact(fact=_stored_fact(row), score=float(row["_score"])) for row in ranked]
 
     async def _user_facts(self, user_id: str, store_generation: int) -> UserFacts:
         """The user's facts as LanceDB has them now, labelled `store_generation` (user_writes.UserFactsRead)."""

@@ -36,6 +36,7 @@ from memory_service.kv_pipeline import (
 from memory_service.kv_store import TieredKvStore
 from memory_service.kv_tiers import TierStats
 from memory_service.metrics import ServiceMetrics
+from memory_service.retrieval import candidates, reciprocal_rank_fusion
 from memory_service.models import (
     AnnouncedProfile,
     Announcer,
@@ -46,6 +47,7 @@ from memory_service.models import (
     NewFact,
     NewTurn,
     Query,
+    RetrievalMode,
     ScoredFact,
     StoreCounts,
     StoredFact,
@@ -65,6 +67,7 @@ class RetrievalRequest:
     profile: AnnouncedProfile
     node_id: str
     query: Query
+    mode: RetrievalMode
 
 
 @dataclass(frozen=True)
@@ -159,20 +162,34 @@ class MemoryOperations:
         with self._metrics.embedding_duration.labels(purpose="ingest").time():
             return await self._embedder.embed(texts)
 
-    async def search(self, user_id: str, query: Query, top_k: int) -> list[ScoredFact]:
-        """The user's top-k facts for the query, best first: its text embedded here, or the caller's vector."""
-        if query.vector is not None:
-            query_vector = query.vector
-            self._metrics.caller_embedded_queries.inc()
-        else:
-            with self._metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
-                query_vector = await self._embedder.embed_query(query.text)
-            step_done("embed")
+    async def search(self, user_id: str, query: Query, top_k: int, mode: RetrievalMode) -> list[ScoredFact]:
+        """The user's top-k facts for the query, best first, ranked as `mode` says (models.RetrievalMode): by the
+        query's embedding (its text embedded here, or the caller's vector), by its text's keywords, or both fused
+        (memory_service.retrieval)."""
+        query_vector = await self._query_vector(query) if mode is not RetrievalMode.KEYWORD else None
         with self._metrics.retrieval_duration.time():
-            results = await self._fact_store.search(user_id, query_vector, top_k)
+            if query_vector is None:
+                results = await self._fact_store.keyword_search(user_id, query.text, top_k)
+            elif mode is RetrievalMode.VECTOR:
+                results = await self._fact_store.search(user_id, query_vector, top_k)
+            else:
+                depth = candidates(top_k)
+                by_vector = await self._fact_store.search(user_id, query_vector, depth)
+                by_keyword = await self._fact_store.keyword_search(user_id, query.text, depth)
+                results = reciprocal_rank_fusion([by_vector, by_keyword], top_k)
         step_done("search")
         self._metrics.facts_retrieved.inc(len(results))
         return results
+
+    async def _query_vector(self, query: Query) -> np.ndarray:
+        """The caller's vector, or the query's text embedded here."""
+        if query.vector is not None:
+            self._metrics.caller_embedded_queries.inc()
+            return query.vector
+        with self._metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
+            vector = await self._embedder.embed_query(query.text)
+        step_done("embed")
+        return vector
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -218,7 +235,7 @@ class MemoryOperations:
         profile_id, user_id = request.profile.profile_id, request.user_id
         await self._kv_pipeline.announce(request.profile)
         step_done("announce")
-        results = await self.search(user_id, request.query, request.top_k)
+        results = await self.search(user_id, request.query, request.top_k, request.mode)
         entries = await self._kv_pipeline.entries(profile_id, user_id, [r.fact for r in results])
         header = await self._kv_pipeline.header_entry(profile_id)
         step_done("kv_index")
