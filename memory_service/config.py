@@ -74,7 +74,8 @@ class ServiceConfig:
     retrieval_mode: str = option(
         "hybrid", choices=RETRIEVAL_MODES,
         help="how a search that names no retrieval mode ranks a user's facts: vector (cosine of the embeddings), "
-        "keyword (BM25 of the text) or hybrid (both, fused by reciprocal rank)")
+        "keyword (BM25 of the text) or hybrid (both fused, and a date the query names matched: "
+        "memory_service/retrieval.py)")
     search_cache_mb: int = option(
         256, help="users' fact embeddings kept in memory for search (LRU; 0: LanceDB search per query)")
     # Bounded: LanceDB's default caches keep a manifest per table version, and every write is a version

@@ -217,8 +217,8 @@ class FactStore:
                 raise error
 
     async def optimize(self) -> bool:
-        """Compacts small write fragments and folds new rows into the indices (the user and the text index). A compaction preempted by a
-        concurrent write (another replica's) is left to the next call. Returns whether every table was compacted;
+        """Compacts small write fragments and folds new rows into the indices (user, text). A compaction preempted
+        by a concurrent write (another replica's) is left to the next call. Returns whether every table was compacted;
         writes committed while it ran still count towards the next call."""
         writes = self._writes_since_optimize
         preempted = False

@@ -95,7 +95,7 @@ class RetrievalMode(Enum):
 
     VECTOR = "vector"  # exact cosine of the embeddings
     KEYWORD = "keyword"  # BM25 over the facts' text
-    HYBRID = "hybrid"  # both, fused by reciprocal rank
+    HYBRID = "hybrid"  # both, fused, and a date the query names matched against the facts'
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from memory_service.kv_pipeline import (
 from memory_service.kv_store import TieredKvStore
 from memory_service.kv_tiers import TierStats
 from memory_service.metrics import ServiceMetrics
-from memory_service.retrieval import candidates, reciprocal_rank_fusion
 from memory_service.models import (
     AnnouncedProfile,
     Announcer,
@@ -52,6 +51,7 @@ from memory_service.models import (
     StoreCounts,
     StoredFact,
 )
+from memory_service.retrieval import candidates, fuse
 from memory_service.steps import step_done
 
 log = structlog.get_logger(__name__)
@@ -176,7 +176,7 @@ class MemoryOperations:
                 depth = candidates(top_k)
                 by_vector = await self._fact_store.search(user_id, query_vector, depth)
                 by_keyword = await self._fact_store.keyword_search(user_id, query.text, depth)
-                results = reciprocal_rank_fusion([by_vector, by_keyword], top_k)
+                results = fuse(by_vector, by_keyword, query.text, top_k)
         step_done("search")
         self._metrics.facts_retrieved.inc(len(results))
         return results

@@ -17,9 +17,9 @@ from memory_service.builder import ServiceBuilder
 from memory_service.config import Limits
 from memory_service.coordination.work_queue import Job
 from memory_service.coordination.workers import WorkerDevice
+from memory_service.errors import InvalidArgument
 from memory_service.kv_pipeline import LeaseRequest, StagingHandle
 from memory_service.metrics import ServiceMetrics
-from memory_service.errors import InvalidArgument
 from memory_service.models import Announcer, IngestOutcome, Query, RetrievalMode, StoredFact
 from memory_service.operations import MemoryOperations, Retrieval, RetrievalRequest, ServiceStats
 from memory_service.rpc import rpc
