@@ -35,6 +35,7 @@ from memory_service.models import (
     StoredTurn,
 )
 from memory_service.object_store import StoreLocation
+from memory_service.retrieval import rank_key
 from memory_service.steps import step_done
 from memory_service.user_facts import FACT_ROW_COLUMNS, UserFacts, fact_row, stored_fact
 from memory_service.user_writes import UserWrites, WriteTicket
@@ -363,7 +364,8 @@ class FactStore:
             .limit(top_k)
             .to_list()
         )
-        return [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
+        scored = [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
+        return sorted(scored, key=lambda result: rank_key(result.score, result.fact.fact_id))
 
     async def keyword_search(self, user_id: str, text: str, top_k: int) -> list[ScoredFact]:
         """The user's top-k facts by BM25 of `text` against their text, best first, ties by fact_id; facts sharing
@@ -376,7 +378,7 @@ class FactStore:
             .limit(top_k)
             .to_list()
         )
-        ranked = sorted(rows, key=lambda row: (-float(row["_score"]), row["fact_id"]))
+        ranked = sorted(rows, key=lambda row: rank_key(float(row["_score"]), row["fact_id"]))
         return [ScoredFact(fact=_stored_fact(row), score=float(row["_score"])) for row in ranked]
 
     async def _user_facts(self, user_id: str, store_generation: int) -> UserFacts:

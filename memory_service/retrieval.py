@@ -5,8 +5,9 @@ A fact's hybrid score is VECTOR_WEIGHT x its cosine + (1 - VECTOR_WEIGHT) x its 
 of the query (0 where it shares no word with the query), plus DATE_MATCH_BONUS where the query names a month or a
 year (`named_time`: "in June", "in 2023", "on 8 May, 2023") and the fact's timestamp falls in it. Each ranking
 contributes its best `candidates(top_k)` facts; a keyword candidate outside the vector candidates counts the lowest
-candidate cosine. Ties are broken by fact_id, so every replica answers a query over the same facts with the same
-ranks. Weights and the rule were chosen on LoCoMo (benchmarks/RESULTS.md, "Retrieval modes on LoCoMo")."""
+candidate cosine. In every mode, scores equal to SCORE_DECIMALS decimals tie, broken by fact_id (`rank_key`), so
+that every replica answers a query over the same facts with the same ranks, whatever order its arithmetic took. The
+weights and the rule were chosen on LoCoMo (benchmarks/RESULTS.md, "Retrieval modes on LoCoMo")."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from memory_service.models import ScoredFact
 VECTOR_WEIGHT = 0.85
 DATE_MATCH_BONUS = 0.1
 HYBRID_CANDIDATES = 100  # each ranking contributes at least this many of its best facts to the fusion
+SCORE_DECIMALS = 6  # float32 sums over the same vectors differ by ~1e-7 with the order of the terms
 
 _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
            "november", "december")
@@ -51,6 +53,11 @@ def named_time(query: str) -> NamedTime | None:
                      int(year.group(1)) if year else None)
 
 
+def rank_key(score: float, fact_id: str) -> tuple[float, str]:
+    """Sort key of a scored fact, best first: its score to SCORE_DECIMALS, then its fact_id."""
+    return -round(score, SCORE_DECIMALS), fact_id
+
+
 def candidates(top_k: int) -> int:
     """How many facts each ranking contributes to a hybrid top-k."""
     return max(top_k, HYBRID_CANDIDATES)
@@ -71,5 +78,5 @@ def fuse(by_vector: Sequence[ScoredFact], by_keyword: Sequence[ScoredFact], quer
         score[fact_id] = VECTOR_WEIGHT * cosine.get(fact_id, floor) + (1 - VECTOR_WEIGHT) * bm25.get(fact_id, 0.0)
         if when is not None and when.holds(fact.timestamp_us):
             score[fact_id] += DATE_MATCH_BONUS
-    best = sorted(score, key=lambda fact_id: (-score[fact_id], fact_id))[:top_k]
+    best = sorted(score, key=lambda fact_id: rank_key(score[fact_id], fact_id))[:top_k]
     return [ScoredFact(fact=facts[fact_id], score=score[fact_id]) for fact_id in best]
