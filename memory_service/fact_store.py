@@ -136,6 +136,7 @@ class FactStore:
         self._turns: lancedb.table.AsyncTable | None = None
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
+        self._facts_since_optimize = 0  # fact rows written since: outside the text index until `optimize`
         self._user_indexed_tables: set[str] = set()
         # Bounded: LanceDB's defaults keep a manifest per table version, and every write makes one.
         self._lancedb_session = lancedb.Session(index_cache_size_bytes=lancedb_cache_bytes // 2,
@@ -221,7 +222,7 @@ class FactStore:
         """Compacts small write fragments and folds new rows into the indices (user, text). A compaction preempted
         by a concurrent write (another replica's) is left to the next call. Returns whether every table was compacted;
         writes committed while it ran still count towards the next call."""
-        writes = self._writes_since_optimize
+        writes, facts = self._writes_since_optimize, self._facts_since_optimize
         preempted = False
         for table in (self._facts_table, self._turns_table):
             await self._ensure_user_index(table)
@@ -234,11 +235,16 @@ class FactStore:
                 log.info("store_optimize_preempted", table=table.name, reason=str(error).split(",")[0])
         if not preempted:
             self._writes_since_optimize -= writes
+            self._facts_since_optimize -= facts
         return not preempted
 
     @property
     def writes_since_optimize(self) -> int:
         return self._writes_since_optimize
+
+    @property
+    def facts_since_optimize(self) -> int:
+        return self._facts_since_optimize
 
     @property
     def _facts_table(self) -> lancedb.table.AsyncTable:
@@ -259,6 +265,8 @@ class FactStore:
             else:
                 await table.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
             self._writes_since_optimize += 1
+            if table is self._facts:
+                self._facts_since_optimize += rows.num_rows
             try:
                 await self._ensure_user_index(table)
             except Exception:  # the write committed; the index is the next write's or optimize's
