@@ -4,6 +4,7 @@ decides is here and below (the fact store, the KV pipeline)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -166,17 +167,21 @@ class MemoryOperations:
         """The user's top-k facts for the query, best first, ranked as `mode` says (models.RetrievalMode): by the
         query's embedding (its text embedded here, or the caller's vector), by its text's keywords, or both fused
         (memory_service.retrieval)."""
-        query_vector = await self._query_vector(query) if mode is not RetrievalMode.KEYWORD else None
-        with self._metrics.retrieval_duration.time():
-            if query_vector is None:
+        if mode is RetrievalMode.KEYWORD:
+            with self._metrics.retrieval_duration.time():
                 results = await self._fact_store.keyword_search(user_id, query.text, top_k)
-            elif mode is RetrievalMode.VECTOR:
+        elif mode is RetrievalMode.VECTOR:
+            query_vector = await self._query_vector(query)
+            with self._metrics.retrieval_duration.time():
                 results = await self._fact_store.search(user_id, query_vector, top_k)
-            else:
-                depth = candidates(top_k)
-                by_vector = await self._fact_store.search(user_id, query_vector, depth)
-                by_keyword = await self._fact_store.keyword_search(user_id, query.text, depth)
-                results = fuse(by_vector, by_keyword, query.text, top_k)
+        else:  # the keyword search (LanceDB's threads) runs while the query is embedded and ranked by vector
+            depth = candidates(top_k)
+            async with asyncio.TaskGroup() as searches:
+                by_keyword = searches.create_task(self._fact_store.keyword_search(user_id, query.text, depth))
+                query_vector = await self._query_vector(query)
+                with self._metrics.retrieval_duration.time():
+                    by_vector = await self._fact_store.search(user_id, query_vector, depth)
+                    results = fuse(by_vector, await by_keyword, query.text, top_k)
         step_done("search")
         self._metrics.facts_retrieved.inc(len(results))
         return results
