@@ -391,7 +391,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     rows = [row for row in cache.rows.values() if row["question_id"] in chosen]
     return {"variants": [asdict(v) for v in variants], "summary": summarize(rows, variants), "rows": len(rows),
             "conversations": [c.sample_id for c in conversations], "k": args.k, "model": model_dir.name,
-            "retrieval": args.retrieval[0] if args.retrieval else "the service's default"}
+            "retrieval": args.retrieval[0] if args.retrieval else DEFAULT_RETRIEVAL}
 
 
 def summarize(rows: list[dict], variants: list[Variant]) -> dict:
@@ -420,6 +420,7 @@ def summarize(rows: list[dict], variants: list[Variant]) -> dict:
 
 RETRIEVAL_MODES = {"vector": pb.RETRIEVAL_MODE_VECTOR, "keyword": pb.RETRIEVAL_MODE_KEYWORD,
                    "hybrid": pb.RETRIEVAL_MODE_HYBRID}
+DEFAULT_RETRIEVAL = "the service's default"
 COMPARED_AT = (20, 50)  # the recall@k each mode is compared with the first at
 
 
@@ -519,7 +520,7 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     summary = result["summary"]
     names = list(summary)
     lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']}, "
-             f"retrieval: {result['retrieval']})", "",
+             f"retrieval: {result.get('retrieval', DEFAULT_RETRIEVAL)})", "",
              (f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
               "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats; lower is better). "
               "F1: greedy answers' token F1 against gold. kv - text with its 95% paired bootstrap interval "
