@@ -87,7 +87,8 @@ class ServiceConfig:
     # An uncached user's read scans every write not yet compacted, so a bulk import is compacted early; not after every
     # few writes, as each compaction also grows LanceDB's caches.
     optimize_after_writes: int = option(1000, help="compact sooner once this many writes wait (a bulk import)")
-    # Keyword search scans the fact rows its full-text index does not hold yet (~1.5 ms per 1,000 on one core).
+    # Keyword search scans the fact rows its full-text index does not hold yet (benchmarks/RESULTS.md, "Retrieval
+    # modes on LoCoMo").
     optimize_after_facts: int = option(
         2000, help="compact sooner once this many written facts wait outside the full-text index")
     auth_file: Path | None = option(
