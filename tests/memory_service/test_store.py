@@ -219,7 +219,8 @@ async def test_keyword_search_finds_new_facts_before_compaction_folds_them_into_
     assert found == ["f0"]  # unindexed rows are searched too, and the other user's tulips are not
     assert await store.optimize() and store.facts_since_optimize == 0
     (text_index,) = [index for index in await store._facts_table.list_indices() if index.columns == ["text"]]
-    assert (await store._facts_table.index_stats(text_index.name)).num_unindexed_rows == 0
+    stats = await store._facts_table.index_stats(text_index.name)
+    assert stats is not None and stats.num_unindexed_rows == 0
     assert [scored.fact.fact_id for scored in await store.keyword_search("u", "tulips", 10)] == ["f0"]
     await store.delete_facts("u", ["f0"])
     assert await store.keyword_search("u", "tulips", 10) == []
