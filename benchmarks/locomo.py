@@ -2,7 +2,11 @@
 
     python -m benchmarks.locomo [--data ../shared/data/locomo/locomo-dev6.json] [--conversations 6]
         [--per-category 6] [--k 50] [--windows 0 5 20 50 -1] [--tails 1 2 5 10] [--tail-window 20]
-        [--fp8-window 50] [--order-window 50]
+        [--fp8-window 50] [--order-window 50] [--retrieval vector|keyword|hybrid]
+    python -m benchmarks.locomo --recall-only --retrieval vector keyword hybrid [--per-category 0]
+
+--recall-only measures retrieval alone, in every mode given (`evaluate_recall`); otherwise the one mode
+given (default: the service's) retrieves the facts of every variant. What a full run does:
 
 Ingests LoCoMo conversations (turns, and observation facts with their source turns) through the real gRPC API
 into a real memory service, runs the real precompute worker once per encoding (Context-Window Encoding with
@@ -322,12 +326,13 @@ def order_key(order: str, seq_of_fact: dict[str, int]):
 
 
 def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversation: LocomoConversation,
-                   question: LocomoQuestion, variant: Variant, k: int, text_scores: dict) -> dict:
+                   question: LocomoQuestion, variant: Variant, k: int, text_scores: dict, retrieval: int) -> dict:
     """One (variant, question) result: retrieval recall, text and kv NLL of the gold answer, greedy answers.
-    `text_scores` holds the question's text scores per exact prompt (token ids)."""
+    `text_scores` holds the question's text scores per exact prompt (token ids); `retrieval` is the RetrievalMode."""
     user_id, profile_id = conversation.sample_id, profile.profile_id
     response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-        user_id=user_id, query=question.question, top_k=k, profile=profile, node_id="locomo-eval"))
+        user_id=user_id, query=question.question, top_k=k, profile=profile, node_id="locomo-eval",
+        retrieval=retrieval))
     facts = list(response.facts)
     seq_of_turn = {turn.turn_id: turn.seq for turn in conversation.turns}
     source_of_fact = {fact.fact_id: fact.source_turn_id for fact in conversation.facts}
@@ -370,6 +375,7 @@ def evaluate(args: argparse.Namespace) -> dict:
                     profiles[variant.profile_key] = precompute(stub, service.address, model_dir, variant, total,
                                                                args.output / "worker.log")
             evaluator = Evaluator(model_dir, service.address, args.max_new_tokens)
+            retrieval = RETRIEVAL_MODES[args.retrieval[0]] if args.retrieval else pb.RETRIEVAL_MODE_UNSPECIFIED
             work = [(c, q) for c in conversations for q in questions[c.sample_id]]
             with tqdm(total=len(work) * len(variants), desc="questions x variants", unit="eval") as progress:
                 for conversation, question in work:
@@ -377,14 +383,15 @@ def evaluate(args: argparse.Namespace) -> dict:
                     for variant in variants:
                         if not cache.get(variant.name, question.question_id):
                             cache.put(score_question(evaluator, stub, profiles[variant.profile_key], conversation,
-                                                     question, variant, args.k, text_scores))
+                                                     question, variant, args.k, text_scores, retrieval))
                         progress.update()
     finally:
         service.stop()
     chosen = {q.question_id for qs in questions.values() for q in qs}
     rows = [row for row in cache.rows.values() if row["question_id"] in chosen]
     return {"variants": [asdict(v) for v in variants], "summary": summarize(rows, variants), "rows": len(rows),
-            "conversations": [c.sample_id for c in conversations], "k": args.k, "model": model_dir.name}
+            "conversations": [c.sample_id for c in conversations], "k": args.k, "model": model_dir.name,
+            "retrieval": args.retrieval[0] if args.retrieval else DEFAULT_RETRIEVAL}
 
 
 def summarize(rows: list[dict], variants: list[Variant]) -> dict:
@@ -409,6 +416,96 @@ def summarize(rows: list[dict], variants: list[Variant]) -> dict:
     return summary
 
 
+# ------------------------------------------------------------------------------- recall per retrieval mode
+
+RETRIEVAL_MODES = {"vector": pb.RETRIEVAL_MODE_VECTOR, "keyword": pb.RETRIEVAL_MODE_KEYWORD,
+                   "hybrid": pb.RETRIEVAL_MODE_HYBRID}
+DEFAULT_RETRIEVAL = "the service's default"
+COMPARED_AT = (20, 50)  # the recall@k each mode is compared with the first at
+
+
+def ranked_sources(stub: memory_pb2_grpc.MemoryServiceStub, conversation: LocomoConversation,
+                   question: LocomoQuestion, mode: str, k: int) -> list[str]:
+    """The source turns of the user's top-k facts for the question, best first."""
+    source_of_fact = {fact.fact_id: fact.source_turn_id for fact in conversation.facts}
+    response = stub.SearchFacts(pb.SearchFactsRequest(user_id=conversation.sample_id, query=question.question,
+                                                      top_k=k, retrieval=RETRIEVAL_MODES[mode]))
+    return [source_of_fact.get(scored.fact.fact_id, "") for scored in response.facts]
+
+
+def measure_recall(stub: memory_pb2_grpc.MemoryServiceStub, work: Sequence[tuple[LocomoConversation, LocomoQuestion]],
+                   modes: Sequence[str], recall_at_k: Sequence[int]) -> list[dict]:
+    """One row per (mode, question with evidence): its category and recall at each k."""
+    rows = []
+    for conversation, question in tqdm(work, desc="questions", unit="q"):
+        if not question.evidence:
+            continue
+        for mode in modes:
+            sources = ranked_sources(stub, conversation, question, mode, max(recall_at_k))
+            rows.append({"mode": mode, "question_id": question.question_id, "category": question.category,
+                         "recall": {str(k): recall_at(sources, question.evidence, k) for k in recall_at_k}})
+    return rows
+
+
+def summarize_recall(rows: list[dict], modes: Sequence[str], recall_at_k: Sequence[int]) -> dict:
+    """Per mode and category (and overall): questions, mean recall@k, and against the first mode the mean paired
+    difference at COMPARED_AT with its 95% bootstrap interval."""
+    baseline = {row["question_id"]: row for row in rows if row["mode"] == modes[0]}
+    summary: dict[str, dict] = {}
+    for mode in modes:
+        mine = [row for row in rows if row["mode"] == mode]
+        groups = {str(c): [r for r in mine if r["category"] == c] for c in CATEGORIES} | {"overall": mine}
+        summary[mode] = {}
+        for group, members in groups.items():
+            entry: dict = {"questions": len(members),
+                           "recall": {str(k): mean([r["recall"][str(k)] for r in members]) for k in recall_at_k}}
+            for k in COMPARED_AT:
+                gaps = [r["recall"][str(k)] - baseline[r["question_id"]]["recall"][str(k)] for r in members]
+                entry[f"vs_first@{k}"] = (mean(gaps), paired_bootstrap(gaps))
+            summary[mode][group] = entry
+    return summary
+
+
+def recall_report(summary: dict, modes: Sequence[str], recall_at_k: Sequence[int], conversations: list[str]) -> str:
+    lines = [f"# LoCoMo retrieval recall of the evidence turns per retrieval mode ({', '.join(conversations)})", "",
+             f"Each mode against {modes[0]}: mean paired difference of recall@k over the same questions, with its 95% "
+             "bootstrap interval.", "",
+             "| mode | category | questions | " + " | ".join(f"recall@{k}" for k in recall_at_k) + " | "
+             + " | ".join(f"@{k} vs {modes[0]} [95% CI]" for k in COMPARED_AT) + " |",
+             "|---|---|---:|" + "---:|" * len(recall_at_k) + "---|" * len(COMPARED_AT)]
+    for mode in modes:
+        for group, row in summary[mode].items():
+            label = f"{group} {CATEGORIES[int(group)]}" if group != "overall" else "**overall**"
+            gaps = [f"{fmt(row[f'vs_first@{k}'][0], 3)} {interval(row[f'vs_first@{k}'][1], 3)}" for k in COMPARED_AT]
+            lines.append(f"| {mode} | {label} | {row['questions']} | "
+                         + " | ".join(fmt(row["recall"][str(k)], 3) for k in recall_at_k) + " | "
+                         + " | ".join(gaps) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate_recall(data: Path, conversations_count: int, per_category: int | None, seed: int, modes: Sequence[str],
+                    recall_at_k: Sequence[int], output: Path) -> tuple[dict, str]:
+    """Ingests the conversations into a fresh memory service under `output` and measures every mode: (result,
+    markdown report)."""
+    from harness.memory_service import MemoryServiceProcess
+
+    conversations = load_locomo(data)[:conversations_count]
+    work = [(c, q) for c in conversations for q in stratified_subset(c.questions, per_category, seed)]
+    output.mkdir(parents=True, exist_ok=True)
+    service = MemoryServiceProcess(output / "memory-service", output / "memory_service.log").start()
+    try:
+        with service.channel() as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            ingest(stub, conversations)
+            rows = measure_recall(stub, work, modes, recall_at_k)
+    finally:
+        service.stop()
+    summary = summarize_recall(rows, modes, recall_at_k)
+    names = [c.sample_id for c in conversations]
+    result = {"modes": list(modes), "conversations": names, "summary": summary, "rows": rows}
+    return result, recall_report(summary, modes, recall_at_k, names)
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 def fmt(value: float, digits: int = 3) -> str:
@@ -422,7 +519,8 @@ def interval(bounds: Sequence[float], digits: int = 3) -> str:
 def markdown_report(result: dict, plots: list[str]) -> str:
     summary = result["summary"]
     names = list(summary)
-    lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']})", "",
+    lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']}, "
+             f"retrieval: {result.get('retrieval', DEFAULT_RETRIEVAL)})", "",
              (f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
               "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats; lower is better). "
               "F1: greedy answers' token F1 against gold. kv - text with its 95% paired bootstrap interval "
@@ -512,6 +610,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--model", type=Path, default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--output", type=Path, default=Path("results/locomo"))
+    parser.add_argument("--retrieval", nargs="+", choices=list(RETRIEVAL_MODES), default=[],
+                        help="retrieval mode (with --recall-only: each mode measured, the first the baseline)")
+    parser.add_argument("--recall-only", action="store_true", help="retrieval recall alone, no model")
     args = parser.parse_args()
     args.per_category = args.per_category or None
     args.fp8_window = None if args.fp8_window == -2 else args.fp8_window
@@ -519,6 +620,16 @@ def main() -> None:
     args.tail_window = None if args.tail_window == -2 else args.tail_window
     if not args.data.exists():
         raise SystemExit(f"{args.data}: no LoCoMo file (pass --data PATH)")
+    if args.recall_only:
+        modes = args.retrieval or list(RETRIEVAL_MODES)
+        recall, report = evaluate_recall(args.data, args.conversations, args.per_category, args.seed, modes,
+                                         RECALL_AT, args.output)
+        (args.output / "recall.json").write_text(json.dumps(recall, indent=2))
+        (args.output / "recall.md").write_text(report)
+        print(report)
+        return
+    if len(args.retrieval) > 1:
+        raise SystemExit("--retrieval: one mode for a full run (several with --recall-only)")
     result = evaluate(args)
     plots = plot(result, args.output)
     report = markdown_report(result, plots)

@@ -111,17 +111,37 @@ class MemoryTokens:
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def prompt(self, facts: Sequence[pb.RetrievedFact], rest: str) -> list[int]:
-        """header | each fact's line | `rest`, as token ids."""
+    def _remember(self, facts: Sequence[pb.RetrievedFact]) -> None:
+        """Tokenizes the lines of the facts not remembered yet."""
         missing = list(dict.fromkeys(fact.text for fact in facts if fact.text not in self._facts))
         if missing:
             lines = self._tokenizer([fact_line(self._guard, text) for text in missing],
                                     add_special_tokens=False)["input_ids"]
             self._facts.update(zip(missing, map(list, lines), strict=True))
+
+    def _forget_least_recent(self) -> None:
+        while len(self._facts) > self.capacity:
+            self._facts.popitem(last=False)
+
+    def within_budget(self, facts: Sequence[pb.RetrievedFact], max_tokens: int) -> list[pb.RetrievedFact]:
+        """The best-ranked of `facts` whose lines take at most `max_tokens` tokens together: in rank order, each fact
+        that still fits is kept (a long one left out does not stop a shorter one after it)."""
+        self._remember(facts)
+        kept, used = [], 0
+        for fact in sorted(facts, key=lambda fact: fact.rank):
+            size = len(self._facts[fact.text])
+            if used + size <= max_tokens:
+                kept.append(fact)
+                used += size
+        self._forget_least_recent()
+        return kept
+
+    def prompt(self, facts: Sequence[pb.RetrievedFact], rest: str) -> list[int]:
+        """header | each fact's line | `rest`, as token ids."""
+        self._remember(facts)
         ids = list(self.header_ids)
         for fact in facts:
             ids += self._facts[fact.text]
             self._facts.move_to_end(fact.text)
-        while len(self._facts) > self.capacity:
-            self._facts.popitem(last=False)
+        self._forget_least_recent()
         return ids + (self._encode(rest) if rest else [])

@@ -18,11 +18,15 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
   (`x-request-id`, the client's or a new one) and answered 500 naming it; never does vLLM see such a request.
 
     "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off",
-               "order": "ranked" | "created", "recompute_tail_facts": m, "kv_crossover_tokens": n}
+               "order": "ranked" | "created", "recompute_tail_facts": m, "kv_crossover_tokens": n,
+               "retrieval": "vector" | "keyword" | "hybrid", "max_tokens": t}
 
 order "ranked" (default) puts the best fact last, nearest the question; "created" keeps a user's facts in the order
 they were stored, so that text prompts of consecutive requests share a prefix vLLM's prefix cache can reuse.
 recompute_tail_facts (default: the node's --recompute-tail-facts) prefills the last m facts of kv mode as text.
+retrieval (default: the memory service's --retrieval-mode) says how the facts are ranked. max_tokens (default 0: no
+cap) caps the memory's tokens: the best-ranked facts whose lines (as the prompt tokenizes them) fit in t tokens
+together are kept, the rest left out, in kv and text mode alike.
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ if TYPE_CHECKING:
 
 MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
 MODES = ("kv", "text", "off")
-MEMORY_FIELDS = ("user_id", "top_k", "mode", "order", "recompute_tail_facts", "kv_crossover_tokens")
+MEMORY_FIELDS = ("user_id", "top_k", "mode", "order", "recompute_tail_facts", "kv_crossover_tokens", "retrieval",
+                 "max_tokens")
+RETRIEVAL_MODES = {"vector": pb.RETRIEVAL_MODE_VECTOR, "keyword": pb.RETRIEVAL_MODE_KEYWORD,
+                   "hybrid": pb.RETRIEVAL_MODE_HYBRID}
+MAX_MEMORY_TOKENS = 1 << 20  # the largest memory.max_tokens (and kv_crossover_tokens) a request may give
 SUMMARY_HEADER = b"x-inferscale-memory"
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -109,6 +117,8 @@ class MemoryRequest:
     order: str  # FACT_ORDERS: ranked (best last) | created (stable per user)
     recompute_tail_facts: int  # kv mode: facts nearest the question prefilled as text
     kv_crossover_tokens: int  # kv mode: a shorter injectable memory is served as text
+    retrieval: str = ""  # RETRIEVAL_MODES, or "": the memory service's default
+    max_tokens: int = 0  # the most tokens the facts' lines may take together; 0: no cap
 
 
 def _int_field(memory: dict, name: str, default: int, low: int, high: int) -> int:
@@ -137,8 +147,12 @@ def parse_memory(memory: Any, settings: NodeSettings) -> MemoryRequest:
         raise MemoryRequestError(f"memory.order: must be one of {', '.join(FACT_ORDERS)}")
     top_k = _int_field(memory, "top_k", settings.default_top_k, 1, settings.max_top_k)
     tail = _int_field(memory, "recompute_tail_facts", settings.recompute_tail_facts, 0, settings.max_top_k)
-    crossover = _int_field(memory, "kv_crossover_tokens", settings.kv_crossover_tokens, 0, 1 << 20)
-    return MemoryRequest(user_id, top_k, mode, order, tail, crossover)
+    crossover = _int_field(memory, "kv_crossover_tokens", settings.kv_crossover_tokens, 0, MAX_MEMORY_TOKENS)
+    retrieval = memory.get("retrieval", "")
+    if retrieval != "" and (not isinstance(retrieval, str) or retrieval not in RETRIEVAL_MODES):
+        raise MemoryRequestError(f"memory.retrieval: must be one of {', '.join(RETRIEVAL_MODES)}")
+    max_tokens = _int_field(memory, "max_tokens", 0, 0, MAX_MEMORY_TOKENS)
+    return MemoryRequest(user_id, top_k, mode, order, tail, crossover, retrieval, max_tokens)
 
 
 def _single_header(scope: Scope, name: str) -> str | None:
@@ -295,8 +309,10 @@ class MemoryMiddleware:
         stub = self._prepare()
         started = time.perf_counter()
         request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k,
-                                             profile=self._profile, node_id=self.settings.node_id)
-        if self._query_embedder is not None:
+                                             profile=self._profile, node_id=self.settings.node_id,
+                                             retrieval=RETRIEVAL_MODES.get(memory.retrieval,
+                                                                           pb.RETRIEVAL_MODE_UNSPECIFIED))
+        if self._query_embedder is not None and memory.retrieval != "keyword":  # keyword ranks the text alone
             vector, model_id = await self._query_embedder.embed(query)
             request.query_vector.extend(vector)
             request.embedding_model_id = model_id
@@ -313,7 +329,11 @@ class MemoryMiddleware:
         stage_seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(stage_seconds)
         members: dict[str, bytes] = {}
-        plan = plan_memory(list(response.facts), self._header_ids, response.header_content_id,
+        facts = list(response.facts)
+        if memory.max_tokens and self._memory_tokens is not None:
+            facts = self._memory_tokens.within_budget(facts, memory.max_tokens)
+            summary.update(max_tokens=memory.max_tokens, facts_retrieved=len(response.facts))
+        plan = plan_memory(facts, self._header_ids, response.header_content_id,
                            self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
                            memory.recompute_tail_facts if memory.mode == "kv" else 0, guard=self._guard)
         if path == "/v1/chat/completions":

@@ -90,10 +90,19 @@ class StoreCounts:
     turns: int
 
 
+class RetrievalMode(Enum):
+    """How a user's facts are ranked against a query (memory_service.retrieval)."""
+
+    VECTOR = "vector"  # exact cosine of the embeddings
+    KEYWORD = "keyword"  # BM25 over the facts' text
+    HYBRID = "hybrid"  # both, fused, and a date the query names matched against the facts'
+
+
 @dataclass(frozen=True)
 class Query:
-    """A search's query: its text, embedded by the service, or the caller's own embedding of it (a unit vector of
-    the service's embedding model)."""
+    """A search's query: its text (embedded by the service when no vector comes with it; searched by keyword in the
+    keyword and hybrid modes), and the caller's own embedding of it, if sent (a unit vector of the service's
+    embedding model). A query has a vector or a text, and a text in the keyword and hybrid modes."""
 
     text: str = ""
     vector: np.ndarray | None = None

@@ -4,6 +4,7 @@ decides is here and below (the fact store, the KV pipeline)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -46,10 +47,12 @@ from memory_service.models import (
     NewFact,
     NewTurn,
     Query,
+    RetrievalMode,
     ScoredFact,
     StoreCounts,
     StoredFact,
 )
+from memory_service.retrieval import candidates, fuse
 from memory_service.steps import step_done
 
 log = structlog.get_logger(__name__)
@@ -65,6 +68,7 @@ class RetrievalRequest:
     profile: AnnouncedProfile
     node_id: str
     query: Query
+    mode: RetrievalMode
 
 
 @dataclass(frozen=True)
@@ -159,20 +163,38 @@ class MemoryOperations:
         with self._metrics.embedding_duration.labels(purpose="ingest").time():
             return await self._embedder.embed(texts)
 
-    async def search(self, user_id: str, query: Query, top_k: int) -> list[ScoredFact]:
-        """The user's top-k facts for the query, best first: its text embedded here, or the caller's vector."""
-        if query.vector is not None:
-            query_vector = query.vector
-            self._metrics.caller_embedded_queries.inc()
-        else:
-            with self._metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
-                query_vector = await self._embedder.embed_query(query.text)
-            step_done("embed")
-        with self._metrics.retrieval_duration.time():
-            results = await self._fact_store.search(user_id, query_vector, top_k)
+    async def search(self, user_id: str, query: Query, top_k: int, mode: RetrievalMode) -> list[ScoredFact]:
+        """The user's top-k facts for the query, best first, ranked as `mode` says (models.RetrievalMode): by the
+        query's embedding (its text embedded here, or the caller's vector), by its text's keywords, or both fused
+        (memory_service.retrieval)."""
+        if mode is RetrievalMode.KEYWORD:
+            with self._metrics.retrieval_duration.time():
+                results = await self._fact_store.keyword_search(user_id, query.text, top_k)
+        elif mode is RetrievalMode.VECTOR:
+            query_vector = await self._query_vector(query)
+            with self._metrics.retrieval_duration.time():
+                results = await self._fact_store.search(user_id, query_vector, top_k)
+        else:  # the keyword search (LanceDB's threads) runs while the query is embedded and ranked by vector
+            depth = candidates(top_k)
+            async with asyncio.TaskGroup() as searches:
+                by_keyword = searches.create_task(self._fact_store.keyword_search(user_id, query.text, depth))
+                query_vector = await self._query_vector(query)
+                with self._metrics.retrieval_duration.time():
+                    by_vector = await self._fact_store.search(user_id, query_vector, depth)
+                    results = fuse(by_vector, await by_keyword, query.text, top_k)
         step_done("search")
         self._metrics.facts_retrieved.inc(len(results))
         return results
+
+    async def _query_vector(self, query: Query) -> np.ndarray:
+        """The caller's vector, or the query's text embedded here."""
+        if query.vector is not None:
+            self._metrics.caller_embedded_queries.inc()
+            return query.vector
+        with self._metrics.embedding_duration.labels(purpose="query").time():  # includes waiting for its batch
+            vector = await self._embedder.embed_query(query.text)
+        step_done("embed")
+        return vector
 
     async def list_facts(self, user_id: str, after_fact_id: str, page_size: int) -> tuple[list[StoredFact], bool]:
         """One page of the user's facts in fact_id order after `after_fact_id`, and whether more follow."""
@@ -218,7 +240,7 @@ class MemoryOperations:
         profile_id, user_id = request.profile.profile_id, request.user_id
         await self._kv_pipeline.announce(request.profile)
         step_done("announce")
-        results = await self.search(user_id, request.query, request.top_k)
+        results = await self.search(user_id, request.query, request.top_k, request.mode)
         entries = await self._kv_pipeline.entries(profile_id, user_id, [r.fact for r in results])
         header = await self._kv_pipeline.header_entry(profile_id)
         step_done("kv_index")

@@ -19,9 +19,10 @@ from memory_service.builder import ServiceBuilder
 from memory_service.config import Limits
 from memory_service.coordination.work_queue import Job
 from memory_service.coordination.workers import WorkerDevice
+from memory_service.errors import InvalidArgument
 from memory_service.kv_pipeline import LeaseRequest, StagingHandle
 from memory_service.metrics import ServiceMetrics
-from memory_service.models import Announcer, IngestOutcome, Query, StoredFact
+from memory_service.models import Announcer, IngestOutcome, Query, RetrievalMode, StoredFact
 from memory_service.operations import MemoryOperations, Retrieval, RetrievalRequest, ServiceStats
 from memory_service.rpc import rpc
 from memory_service.validation import (
@@ -46,6 +47,11 @@ _OUTCOME_TO_PB = {
     IngestOutcome.CREATED: pb.INGEST_OUTCOME_CREATED,
     IngestOutcome.UPDATED: pb.INGEST_OUTCOME_UPDATED,
     IngestOutcome.UNCHANGED: pb.INGEST_OUTCOME_UNCHANGED,
+}
+_RETRIEVAL_FROM_PB = {
+    pb.RETRIEVAL_MODE_VECTOR: RetrievalMode.VECTOR,
+    pb.RETRIEVAL_MODE_KEYWORD: RetrievalMode.KEYWORD,
+    pb.RETRIEVAL_MODE_HYBRID: RetrievalMode.HYBRID,
 }
 # The role an AnnounceProfileRequest declares, as memory_service.access names roles ("": unspecified).
 _ROLES = {pb.PROFILE_ROLE_WORKER: "worker", pb.PROFILE_ROLE_NODE: "node"}
@@ -180,11 +186,21 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         assert service is not None, "called before the service was built (the rpc wrapper answers UNAVAILABLE)"
         return service.operations
 
-    def _query(self, request: pb.SearchFactsRequest | pb.RetrieveAndStageRequest) -> Query:
+    def _retrieval(self, request: pb.SearchFactsRequest | pb.RetrieveAndStageRequest) -> tuple[Query, RetrievalMode]:
+        """The request's query and retrieval mode (unset: --retrieval-mode, or vector for a query that is a vector
+        alone, as callers that embed their queries sent before the modes existed)."""
         service = self._builder.service
         assert service is not None, "called before the service was built (the rpc wrapper answers UNAVAILABLE)"
-        return validate_query(request.query, request.query_vector, request.embedding_model_id, self._limits,
-                              service.embedder.model_id, service.embedder.dim)
+        if request.retrieval == pb.RETRIEVAL_MODE_UNSPECIFIED:
+            vector_alone = bool(request.query_vector) and not request.query.strip()
+            mode = RetrievalMode.VECTOR if vector_alone else RetrievalMode(self._builder.config.retrieval_mode)
+        elif request.retrieval in _RETRIEVAL_FROM_PB:
+            mode = _RETRIEVAL_FROM_PB[request.retrieval]
+        else:
+            raise InvalidArgument("retrieval", f"{request.retrieval} is not a RetrievalMode")
+        query = validate_query(request.query, request.query_vector, request.embedding_model_id, self._limits,
+                               service.embedder.model_id, service.embedder.dim, mode)
+        return query, mode
 
     # ------------------------------------------------------------------ RPCs
 
@@ -206,21 +222,21 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def SearchFacts(self, request: pb.SearchFactsRequest, context) -> pb.SearchFactsResponse:
         user_id = validate_id(request.user_id, "user_id")
         top_k = resolve_top_k(request.top_k, self._limits)
-        query = self._query(request)
-        results = await self._operations.search(user_id, query, top_k)
+        query, mode = self._retrieval(request)
+        results = await self._operations.search(user_id, query, top_k, mode)
         return pb.SearchFactsResponse(facts=[
             pb.ScoredFact(fact=_fact_message(r.fact), score=r.score, rank=rank)
             for rank, r in enumerate(results, start=1)])
 
     @rpc
     async def RetrieveAndStage(self, request: pb.RetrieveAndStageRequest, context) -> pb.RetrieveAndStageResponse:
-        retrieval = RetrievalRequest(
-            user_id=validate_id(request.user_id, "user_id"),
-            top_k=resolve_top_k(request.top_k, self._limits),
-            profile=validate_announced_profile(request.profile),
-            node_id=validate_id(request.node_id, "node_id"),
-            query=self._query(request),
-        )
+        user_id = validate_id(request.user_id, "user_id")
+        top_k = resolve_top_k(request.top_k, self._limits)
+        profile = validate_announced_profile(request.profile)
+        node_id = validate_id(request.node_id, "node_id")
+        query, mode = self._retrieval(request)
+        retrieval = RetrievalRequest(user_id=user_id, top_k=top_k, profile=profile, node_id=node_id, query=query,
+                                     mode=mode)
         return _retrieval_message(await self._operations.retrieve_and_stage(retrieval))
 
     @rpc

@@ -12,6 +12,7 @@ from typing import Any, Final
 import numpy as np
 
 from memory_service.models import ScoredFact, StoredFact
+from memory_service.retrieval import SCORE_DECIMALS, rank_key
 
 FACT_ROW_COLUMNS = ("user_id", "fact_id", "text", "source_turn_id", "timestamp_us", "metadata_json", "version",
                     "created_at_us", "updated_at_us", "content_hash")
@@ -62,12 +63,16 @@ class UserFacts:
                 for row in self.rows if row[_FACT_ID] in fact_ids}
 
     def top_k(self, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
-        """Exact cosine top-k, best first (ties by fact_id, as LanceDB's exact search would return either)."""
+        """Exact cosine top-k, best first (ties by fact_id: retrieval.rank_key)."""
         if not self.rows:
             return []
         scores = self.vectors @ query_vector.astype(np.float32)
-        chosen = np.arange(len(scores)) if top_k >= len(scores) else np.argpartition(-scores, top_k - 1)[:top_k]
-        ranked = sorted(chosen.tolist(), key=lambda i: (-float(scores[i]), self.rows[i][_FACT_ID]))
+        if top_k >= len(scores):
+            chosen = np.arange(len(scores))
+        else:  # every fact tied with the k-th by rank_key is a candidate
+            kth = float(np.partition(-scores, top_k - 1)[top_k - 1])
+            chosen = np.flatnonzero(-scores <= kth + 10.0 ** -SCORE_DECIMALS)
+        ranked = sorted(chosen.tolist(), key=lambda i: rank_key(float(scores[i]), self.rows[i][_FACT_ID]))[:top_k]
         return [ScoredFact(fact=stored_fact(self.rows[i]), score=float(scores[i])) for i in ranked]
 
     def merged(self, rows: list[FactRow], vectors: np.ndarray, store_generation: int) -> UserFacts:

@@ -25,7 +25,16 @@ from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike,
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
 from memory_service.kv_checks import non_finite_values
-from memory_service.models import AnnouncedProfile, FactKvRef, KvShape, KvUpload, NewFact, NewTurn, Query
+from memory_service.models import (
+    AnnouncedProfile,
+    FactKvRef,
+    KvShape,
+    KvUpload,
+    NewFact,
+    NewTurn,
+    Query,
+    RetrievalMode,
+)
 
 _CONTENT_ID = re.compile(r"[0-9a-f]{32}")
 MAX_TOKEN_ID = 2**31  # token ids travel as int32 (RetrievedFact.token_ids)
@@ -90,11 +99,17 @@ def validate_query_vector(vector: Sequence[float], model_id: str, service_model_
 
 
 def validate_query(text: str, vector: Sequence[float], model_id: str, limits: Limits, service_model_id: str,
-                   dim: int) -> Query:
-    """A search's query: the caller's vector when it sends one (of the service's model), else its text."""
-    if vector:
+                   dim: int, mode: RetrievalMode) -> Query:
+    """A search's query: the caller's vector when it sends one (of the service's model), and its text, which the
+    keyword and hybrid modes need (vector mode ignores it when the vector comes)."""
+    if vector and mode is RetrievalMode.VECTOR:
         return Query(vector=validate_query_vector(vector, model_id, service_model_id, dim))
-    return Query(text=validate_text(text, "query", limits.max_query_chars))
+    if not text.strip() and vector:
+        raise InvalidArgument("query", f"must not be empty in {mode.value} retrieval (it searches the query's text)")
+    query_text = validate_text(text, "query", limits.max_query_chars)
+    return Query(text=query_text,
+                 vector=validate_query_vector(vector, model_id, service_model_id, dim) if vector else None)
+
 
 
 def derived_fact_id(text: str) -> str:

@@ -19,8 +19,10 @@ from benchmarks.locomo import (
     order_key,
     paired_bootstrap,
     recall_at,
+    recall_report,
     stratified_subset,
     summarize,
+    summarize_recall,
     token_f1,
 )
 from benchmarks.locomo_data import LocomoQuestion
@@ -159,3 +161,17 @@ def test_report_gives_each_variants_differences_with_intervals_and_marks_empty_c
     assert ("| w=0 | 0.400 [0.40, 0.40] | n/a [n/a, n/a] | n/a [n/a, n/a] | n/a [n/a, n/a] | 0.400 [0.40, 0.40] |"
             in report)
     assert "![fidelity_gap](fidelity_gap.png)" in report
+
+
+def test_recall_per_mode_compares_each_mode_with_the_first_on_the_same_questions() -> None:
+    def row(mode: str, question: str, category: int, at_20: float) -> dict:
+        return {"mode": mode, "question_id": question, "category": category, "recall": {"20": at_20, "50": 1.0}}
+
+    rows = [row("vector", "q1", 1, 0.5), row("vector", "q2", 2, 1.0),
+            row("hybrid", "q1", 1, 1.0), row("hybrid", "q2", 2, 1.0)]
+    summary = summarize_recall(rows, ["vector", "hybrid"], (20, 50))
+    assert summary["hybrid"]["overall"]["recall"] == {"20": 1.0, "50": 1.0}
+    assert summary["hybrid"]["1"]["vs_first@20"] == (0.5, (0.5, 0.5))
+    assert summary["hybrid"]["2"]["vs_first@20"][0] == 0.0 and summary["vector"]["1"]["recall"]["20"] == 0.5
+    report = recall_report(summary, ["vector", "hybrid"], (20, 50), ["conv-a"])
+    assert "| hybrid | 1 multi-hop | 1 | 1.000 | 1.000 | 0.500 [0.500, 0.500] | 0.000 [0.000, 0.000] |" in report

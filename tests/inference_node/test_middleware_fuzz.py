@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference_node.memory_prompt import FACT_ORDERS
-from inference_node.middleware import MEMORY_FIELDS, MODES, MemoryRequestError, parse_memory
+from inference_node.middleware import MEMORY_FIELDS, MODES, RETRIEVAL_MODES, MemoryRequestError, parse_memory
 from inference_node.settings import NodeSettings
 from inferscale_kv.ids import is_valid_id
 
@@ -23,7 +23,9 @@ memory_fields = json_values | st.fixed_dictionaries(
                   "mode": json_values | st.sampled_from([*MODES, "KV", ""]),
                   "order": json_values | st.sampled_from([*FACT_ORDERS, "Ranked"]),
                   "recompute_tail_facts": json_values | st.integers(),
-                  "kv_crossover_tokens": json_values | st.integers()})
+                  "kv_crossover_tokens": json_values | st.integers(),
+                  "retrieval": json_values | st.sampled_from([*RETRIEVAL_MODES, "Hybrid", ""]),
+                  "max_tokens": json_values | st.integers()})
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)
@@ -38,3 +40,4 @@ def test_any_memory_value_parses_or_is_a_400_naming_the_memory_field(memory):
     assert isinstance(parsed.user_id, str) and is_valid_id(parsed.user_id) and set(memory) <= set(MEMORY_FIELDS)
     assert 1 <= parsed.top_k <= SETTINGS.max_top_k and parsed.mode in MODES and parsed.order in FACT_ORDERS
     assert 0 <= parsed.recompute_tail_facts <= SETTINGS.max_top_k and parsed.kv_crossover_tokens >= 0
+    assert parsed.retrieval in ("", *RETRIEVAL_MODES) and parsed.max_tokens >= 0

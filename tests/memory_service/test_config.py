@@ -16,8 +16,9 @@ PUBLISHED_FLAGS = {
     "--max-message-bytes": 64 * 1024 * 1024, "--shutdown-grace-s": 5.0, "--kv-host-budget-mb": 1024,
     "--kv-gpu-budget-mb": 0, "--kv-disk-budget-gb": 100.0, "--kv-lease-seconds": 120, "--kv-lease-max-facts": 64,
     "--kv-max-attempts": 3, "--kv-audit-share": 0.05,
-    "--search-cache-mb": 256, "--lancedb-cache-mb": 128, "--optimize-interval-s": 300.0,
-    "--optimize-after-writes": 1000, "--auth-file": None, "--tls-cert-file": None, "--tls-key-file": None,
+    "--retrieval-mode": "hybrid", "--search-cache-mb": 256, "--lancedb-cache-mb": 128, "--optimize-interval-s": 300.0,
+    "--optimize-after-writes": 1000, "--optimize-after-facts": 2000, "--auth-file": None, "--tls-cert-file": None,
+    "--tls-key-file": None,
     "--tls-client-ca-file": None, "--health-port": 0, "--log-level": "info", "--coordination-url": "",
     "--store-uri": "", "--s3-endpoint": "", "--s3-region": "us-east-1", "--s3-allow-http": False,
     "--tier-sweep-interval-s": 10.0,
@@ -102,7 +103,7 @@ def test_the_flags_and_their_defaults_are_the_published_ones(monkeypatch: pytest
 
 
 def test_every_flag_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert_each_flag_reads_its_variable(build_parser, monkeypatch, samples={})
+    assert_each_flag_reads_its_variable(build_parser, monkeypatch, samples={"--retrieval-mode": "keyword"})
 
 
 def test_the_parsed_defaults_are_the_configs_own(monkeypatch: pytest.MonkeyPatch) -> None:

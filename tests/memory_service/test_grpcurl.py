@@ -38,7 +38,8 @@ def test_ingest_then_search_through_grpcurl(memory_service) -> None:
     ]}
     ingested = json.loads(_grpcurl(memory_service, "inferscale.v1.MemoryService/IngestFacts", data=json.dumps(ingest)))
     assert [fact["outcome"] for fact in ingested["facts"]] == ["INGEST_OUTCOME_CREATED"] * 2
-    search = {"user_id": "grpcurl-user", "query": "What business did Jon start?", "top_k": 1}
+    search = {"user_id": "grpcurl-user", "query": "What business did Jon start?", "top_k": 1,
+              "retrieval": "RETRIEVAL_MODE_VECTOR"}
     found = json.loads(_grpcurl(memory_service, "inferscale.v1.MemoryService/SearchFacts", data=json.dumps(search)))
     assert found["facts"][0]["fact"]["text"] == "Jon opened a dance studio in 2023."
 

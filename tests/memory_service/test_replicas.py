@@ -77,6 +77,27 @@ def test_a_write_acknowledged_by_one_replica_is_seen_by_the_next_call_on_another
         assert (fact.fact.text, fact.fact.version) == ("Nora planted roses in the garden.", updated.version)
 
 
+def test_every_retrieval_mode_ranks_alike_on_every_replica_and_keyword_search_runs_on_the_object_store(stubs) -> None:
+    user = "ranks-alike"
+    texts = ["Nora waters the garden at six.", "Nora planted tulips in the garden.", "Ben repairs bikes in the garden.",
+             "Order GX-4410 arrived on Monday.", "Nora waters the garden at six."]  # the last a tie of the first
+    for index, text in enumerate(texts):  # one per call through each replica in turn: every replica merges writes
+        stubs[index % len(stubs)].IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+            pb.FactInput(fact_id=f"f{index}", text=text)]))
+    question = "When does Nora water the garden, and has GX-4410 come?"
+    for mode in (pb.RETRIEVAL_MODE_VECTOR, pb.RETRIEVAL_MODE_KEYWORD, pb.RETRIEVAL_MODE_HYBRID):
+        answers = [[(scored.fact.fact_id, scored.rank) for scored in stub.SearchFacts(pb.SearchFactsRequest(
+            user_id=user, query=question, top_k=5, retrieval=mode)).facts] for stub in stubs]
+        assert answers[0] and all(answer == answers[0] for answer in answers), (mode, answers)
+    keyword = stubs[1].SearchFacts(pb.SearchFactsRequest(user_id=user, query="GX-4410",
+                                                         retrieval=pb.RETRIEVAL_MODE_KEYWORD))
+    assert [scored.fact.fact_id for scored in keyword.facts] == ["f3"]
+    stubs[2].DeleteFacts(pb.DeleteFactsRequest(user_id=user, fact_ids=["f3"]))
+    for stub in stubs:
+        assert not stub.SearchFacts(pb.SearchFactsRequest(user_id=user, query="GX-4410",
+                                                          retrieval=pb.RETRIEVAL_MODE_KEYWORD)).facts
+
+
 def test_the_same_facts_ingested_through_every_replica_at_once_are_stored_once(stubs) -> None:
     facts = [pb.FactInput(fact_id=f"f{i}", text=f"Fact {i}: the garden gate is painted color {i}.") for i in range(20)]
     outcomes: list[int] = []

@@ -189,7 +189,8 @@ def test_a_query_embedded_by_the_caller_with_the_services_model_finds_what_its_t
     stats = stub.GetStats(pb.GetStatsRequest())
     vector, model_id = asyncio.run(LocalQueryEmbedder(stats.embedding_model).embed("dog"))
     assert model_id == stats.embedding_model_id and model_id.startswith(stats.embedding_model + "@")
-    by_text = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query="dog", top_k=3)).facts
+    by_text = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query="dog", top_k=3,
+                                                     retrieval=pb.RETRIEVAL_MODE_VECTOR)).facts
     by_vector = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query_vector=vector,
                                                        embedding_model_id=model_id, top_k=3)).facts
     assert [f.fact.fact_id for f in by_vector] == [f.fact.fact_id for f in by_text]
