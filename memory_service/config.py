@@ -71,8 +71,10 @@ class ServiceConfig:
     kv_audit_share: float = option(
         0.05, help="share of new fact KV that another worker computes again to compare (sampled per user and "
         "completion; 0: none); every profile's memory header is audited regardless")
+    # Not hybrid, though it finds more evidence: BM25's word statistics span every user's facts (README, "Retrieval
+    # modes").
     retrieval_mode: str = option(
-        "hybrid", choices=RETRIEVAL_MODES,
+        "vector", choices=RETRIEVAL_MODES,
         help="how a search that names no retrieval mode ranks a user's facts: vector (cosine of the embeddings), "
         "keyword (BM25 of the text) or hybrid (both fused, and a date the query names matched: "
         "memory_service/retrieval.py)")

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 from lancedb.index import FTS, BTree
+from lancedb.query import MatchQuery
 
 from memory_service.blocking import run_blocking
 from memory_service.coordination.store_meta import StoreMeta
@@ -380,7 +381,8 @@ class FactStore:
         no indexed word with it are not returned. From LanceDB's full-text index, prefiltered by user (exact)."""
         rows = await (
             self._facts_table.query()
-            .nearest_to_text(text, columns="text")
+            # Words, never query syntax (a quoted string would be a phrase query). mypy misses the pydantic defaults.
+            .nearest_to_text(MatchQuery(text, "text"))  # type: ignore[call-arg]
             .where(f"user_id = '{user_id}'")
             .select([*FACT_ROW_COLUMNS, "_score"])
             .limit(top_k)

@@ -117,9 +117,12 @@ def derived_fact_id(text: str) -> str:
     return "f-" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+MAX_TIMESTAMP_SECONDS = 253_402_300_799  # 9999-12-31T23:59:59Z, the end of protobuf's Timestamp range
+
+
 def timestamp_us(timestamp: TimestampLike, field: str) -> int:
-    if timestamp.seconds < 0 or not 0 <= timestamp.nanos < 1_000_000_000:
-        raise InvalidArgument(field, "must be a time after 1970-01-01")
+    if not 0 <= timestamp.seconds <= MAX_TIMESTAMP_SECONDS or not 0 <= timestamp.nanos < 1_000_000_000:
+        raise InvalidArgument(field, "must be a time from 1970-01-01 to 9999-12-31")
     return timestamp.seconds * 1_000_000 + timestamp.nanos // 1000
 
 

@@ -16,7 +16,7 @@ PUBLISHED_FLAGS = {
     "--max-message-bytes": 64 * 1024 * 1024, "--shutdown-grace-s": 5.0, "--kv-host-budget-mb": 1024,
     "--kv-gpu-budget-mb": 0, "--kv-disk-budget-gb": 100.0, "--kv-lease-seconds": 120, "--kv-lease-max-facts": 64,
     "--kv-max-attempts": 3, "--kv-audit-share": 0.05,
-    "--retrieval-mode": "hybrid", "--search-cache-mb": 256, "--lancedb-cache-mb": 128, "--optimize-interval-s": 300.0,
+    "--retrieval-mode": "vector", "--search-cache-mb": 256, "--lancedb-cache-mb": 128, "--optimize-interval-s": 300.0,
     "--optimize-after-writes": 1000, "--optimize-after-facts": 2000, "--auth-file": None, "--tls-cert-file": None,
     "--tls-key-file": None,
     "--tls-client-ca-file": None, "--health-port": 0, "--log-level": "info", "--coordination-url": "",

@@ -224,3 +224,15 @@ async def test_keyword_search_finds_new_facts_before_compaction_folds_them_into_
     assert [scored.fact.fact_id for scored in await store.keyword_search("u", "tulips", 10)] == ["f0"]
     await store.delete_facts("u", ["f0"])
     assert await store.keyword_search("u", "tulips", 10) == []
+
+
+async def test_a_question_in_double_quotes_is_words_to_search_not_a_phrase_query_that_fails(tmp_path) -> None:
+    """LanceDB reads a quoted string as a phrase query, which an index without positions refuses (it raised, and the
+    call ended INTERNAL): a user's question is always words."""
+    store = _local_store(tmp_path)
+    await store.open()
+    await store.ingest_facts("u", [NewFact("f0", "axis-0 the parcel went to Lisbon")], _axis_embed)
+    assert await store.optimize()
+    for question in ('"Where is my parcel?"', '"parcel"', 'Where is my "parcel"?'):
+        assert [scored.fact.fact_id for scored in await store.keyword_search("u", question, 5)] == ["f0"], question
+
