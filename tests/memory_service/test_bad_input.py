@@ -58,7 +58,8 @@ CASES = [
      pb.IngestFactsRequest(user_id=OWNER, facts=_valid_then(pb.FactInput(text="x", timestamp=Timestamp(seconds=-5)))),
      INVALID, "facts[1].timestamp"),
     ("IngestFacts",  # past protobuf's Timestamp range (year 9999): ranking by date could not read it
-     pb.IngestFactsRequest(user_id=OWNER, facts=_valid_then(pb.FactInput(text="x", timestamp=Timestamp(seconds=10**12)))),
+     pb.IngestFactsRequest(user_id=OWNER,
+                           facts=_valid_then(pb.FactInput(text="x", timestamp=Timestamp(seconds=10**12)))),
      INVALID, "facts[1].timestamp"),
     ("IngestFacts",
      pb.IngestFactsRequest(user_id=OWNER, facts=_valid_then(
