@@ -34,7 +34,7 @@ from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.work_queue import Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
-from memory_service.errors import NotFound
+from memory_service.errors import InvalidArgument, NotFound
 from memory_service.fact_store import FactStore
 from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference, served_content_id, with_content_id
 from memory_service.kv_store import TieredKvStore
@@ -141,9 +141,10 @@ class KvPipeline:
 
     def __init__(self, fact_store: FactStore, kv_store: TieredKvStore, profile_registry: ProfileRegistry,
                  work_queue: KvWorkQueue, kv_index: KvIndex, audits: KvAudits, worker_registry: WorkerRegistry,
-                 lease_max_facts: int, lease_seconds: float, audit_share: float) -> None:
-        """`lease_max_facts`, `lease_seconds`: a lease's largest size and its default length; `audit_share`: the
-        share of new fact KV audited (0: none; headers always are)."""
+                 lease_max_facts: int, lease_seconds: float, lease_max_seconds: float, audit_share: float) -> None:
+        """`lease_max_facts`, `lease_seconds`, `lease_max_seconds`: a lease's largest size, its default length and
+        the longest a worker may ask for; `audit_share`: the share of new fact KV audited (0: none; headers always
+        are)."""
         self._fact_store = fact_store
         self._kv_store = kv_store
         self._profile_registry = profile_registry
@@ -153,6 +154,7 @@ class KvPipeline:
         self._worker_registry = worker_registry
         self._lease_max_facts = lease_max_facts
         self._lease_seconds = lease_seconds
+        self._lease_max_seconds = lease_max_seconds
         self._audit_share = audit_share
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
         self._fields: dict[str, dict] = {}  # the fields of announced profiles (they never change)
@@ -365,7 +367,11 @@ class KvPipeline:
         """Records the worker's report and leases it facts of the profile, with the turns they were said in: audits
         it may do first (audited facts look like any other), then queued facts. Returns the audits given up too.
         `identity`: the worker as audits tell workers apart (its credential, Principal.worker_identity): it is not
-        leased audits of what that identity produced, nor work it is barred from."""
+        leased audits of what that identity produced, nor work it is barred from. A lease longer than the service's
+        maximum raises InvalidArgument before anything changes."""
+        if request.lease_seconds > self._lease_max_seconds:
+            raise InvalidArgument("lease_seconds", f"{request.lease_seconds} is longer than the service's longest "
+                                  f"lease, {self._lease_max_seconds} seconds (--kv-lease-max-seconds)")
         await self._require_profile(request.profile_id)
         await run_blocking(self._worker_registry.record, WorkerReport(
             request.worker_id, request.profile_id, time.time(), request.facts_per_second, request.device))
