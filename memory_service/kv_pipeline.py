@@ -56,7 +56,7 @@ class AuditOutcome(Enum):
     MATCH = "match"  # the auditor's KV is the stored KV within the tolerance
     MISMATCH = "mismatch"  # it is not: the entry is withdrawn
     STALE = "stale"  # the entry changed or went away before the result came, or its inputs did (computed again)
-    ABANDONED = "abandoned"  # leased too often without a result: the entry stays served, unaudited
+    ABANDONED = "abandoned"  # leased too often without a result: the entry is withdrawn and computed again
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class KvWorkLease:
     facts: list[StoredFact]
     turns_by_user: dict[str, list[StoredTurn]]  # each user's turns up to the latest source turn of its facts
     header_wanted: bool  # the worker should announce the profile's header KV (none is stored, or one waits for audit)
-    audits_abandoned: int  # audits given up by this call (leased too often without a result)
+    audits_abandoned: int  # audits given up by this call (leased too often without a result: entries withdrawn)
 
 
 @dataclass(frozen=True)
@@ -378,8 +378,9 @@ class KvPipeline:
         max_facts = min(request.max_facts or self._lease_max_facts, self._lease_max_facts)
         lease_seconds = request.lease_seconds or self._lease_seconds
         lease_id = uuid.uuid4().hex
-        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, identity, max_facts,
-                                               lease_id, time.time() + lease_seconds)
+        abandoned = await run_blocking(self._give_up_audits, request.profile_id)
+        audits = await run_blocking(self._audits.lease, request.profile_id, identity, max_facts, lease_id,
+                                    time.time() + lease_seconds)
         leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts - len(audits),
                                     lease_seconds, identity, lease_id)
         jobs = [Job(request.profile_id, a.key.user_id, a.key.fact_id, a.key.version) for a in audits] + leased.jobs
@@ -401,6 +402,21 @@ class KvPipeline:
         header_wanted = await self.header_wanted(request.profile_id, identity)
         return KvWorkLease(lease_id if facts else "", leased.expires_at, facts, turns_by_user, header_wanted,
                            abandoned)
+
+    def _give_up_audits(self, profile_id: str) -> int:
+        """Gives up the profile's audits that no auditor finished (KvAudits.abandoned): an entry that could not be
+        audited is withdrawn (served as text) and its fact computed again, nobody barred; returns how many (blocking).
+        A failure part-way leaves the rest for the next lease."""
+        abandoned = self._audits.abandoned(profile_id)
+        for audit in abandoned:
+            key = audit.key
+            if not self._kv_store.quarantine(key, [], []):
+                self._audits.finish(audit)  # its entry was replaced or dropped meanwhile
+                continue
+            log.warning("kv_audit_abandoned", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
+                        version=key.version, producer=audit.producer, attempts=self._audits.max_attempts,
+                        action="withdrawn (served as text) and computed again, nobody barred")
+        return len(abandoned)
 
     async def complete(self, profile_id: str, lease_id: str, uploads: Sequence[KvUpload],
                        failures: Sequence[tuple[Job, str]], worker_id: str) -> CompletionCounts:
