@@ -46,7 +46,7 @@ import grpc
 import msgspec
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_prompt import FACT_ORDERS, MemoryTokens, plan_memory, system_content
+from inference_node.memory_prompt import FACT_ORDERS, FactLines, MemoryTokens, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.query_embedding import LocalQueryEmbedder
 from inference_node.settings import NodeSettings
@@ -238,7 +238,7 @@ class MemoryMiddleware:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._header_ids: list[int] = []
         self._header_text = ""
-        self._guard = StoredTextGuard(())
+        self._fact_lines = FactLines(StoredTextGuard(()))
         self._memory_tokens: MemoryTokens | None = None
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
         self._call_metadata: tuple[tuple[str, str], ...] = ()
@@ -255,7 +255,7 @@ class MemoryMiddleware:
             self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
             self._header_ids = memory_header_ids(self._tokenizer)
             self._header_text = memory_header_text(self._tokenizer)
-            self._guard = StoredTextGuard.for_tokenizer(self._tokenizer)
+            self._fact_lines = FactLines(StoredTextGuard.for_tokenizer(self._tokenizer))
             self._memory_tokens = MemoryTokens(self._tokenizer)
         if self._stub is None:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
@@ -360,7 +360,7 @@ class MemoryMiddleware:
             summary.update(max_tokens=memory.max_tokens, facts_retrieved=len(response.facts))
         plan = plan_memory(facts, self._header_ids, response.header_content_id,
                            self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
-                           memory.recompute_tail_facts if memory.mode == "kv" else 0, guard=self._guard)
+                           memory.recompute_tail_facts if memory.mode == "kv" else 0, lines=self._fact_lines)
         if path == "/v1/chat/completions":
             messages = payload.get("messages", [])
             client_system = ""
