@@ -189,11 +189,11 @@ class Evaluator:
                user_id: str, order_key, tail: int = 0):
         """The node's prompt (its middleware's memory block and load plan) with the facts in `order_key` order and
         the last `tail` of them left to prefill."""
-        from inference_node.memory_prompt import plan_memory, system_content
+        from inference_node.memory_prompt import FactLines, plan_memory, system_content
         from inferscale_kv.stored_text import StoredTextGuard
 
         plan = plan_memory(facts, self.header_ids, header_content_id, profile_id, user_id, order_key, tail,
-                           guard=StoredTextGuard.for_tokenizer(self.tokenizer))
+                           lines=FactLines(StoredTextGuard.for_tokenizer(self.tokenizer)))
         messages = [{"role": "system", "content": system_content(plan.block_text, "")},
                     {"role": "user", "content": f"{ANSWER_INSTRUCTION}\n{question}"}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

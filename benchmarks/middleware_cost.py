@@ -63,7 +63,7 @@ def retrieved(tokenizer, k: int, clauses: int) -> pb.RetrieveAndStageResponse:
 
 
 def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageResponse):
-    from inference_node.memory_prompt import MemoryTokens
+    from inference_node.memory_prompt import FactLines, MemoryTokens
     from inference_node.middleware import MemoryMiddleware
     from inferscale_kv.layout import memory_header_text
     from inferscale_kv.stored_text import StoredTextGuard
@@ -81,7 +81,7 @@ def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageRespons
     middleware._tokenizer = tokenizer
     middleware._header_ids = memory_header_ids(tokenizer)
     middleware._header_text = memory_header_text(tokenizer)
-    middleware._guard = StoredTextGuard.for_tokenizer(tokenizer)
+    middleware._fact_lines = FactLines(StoredTextGuard.for_tokenizer(tokenizer))
     middleware._memory_tokens = MemoryTokens(tokenizer)
     middleware._stub = _Service(response)
     return middleware, app

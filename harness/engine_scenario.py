@@ -126,7 +126,7 @@ def main(mode: str, args: list[str]) -> None:
     from inference_node.__main__ import kv_transfer_config
     from inference_node.connector import InferScaleConnector
     from inference_node.connector.node_cache import CachedKv
-    from inference_node.memory_prompt import plan_memory
+    from inference_node.memory_prompt import FactLines, plan_memory
     from inference_node.plan import ChunkLoad, LoadPlan, PlanFact, PlanSigner, plan_secret_from_env, provable_prefix
     from inference_node.settings import NodeSettings
     from inferscale_kv.kv_key import KvKey
@@ -203,7 +203,7 @@ def main(mode: str, args: list[str]) -> None:
 
     header_ids = memory_header_ids(tokenizer)
     plan = plan_memory(facts, header_ids, header_content_id, profile.profile_id, user_id,
-                       guard=StoredTextGuard.for_tokenizer(tokenizer))
+                       lines=FactLines(StoredTextGuard.for_tokenizer(tokenizer)))
     prompt_of = {question: list(tokenizer.encode(memory_header_text(tokenizer) + plan.block_text + question,
                                                  add_special_tokens=False))
                  for question in (QUESTION, OTHER_QUESTION)}

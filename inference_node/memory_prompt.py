@@ -54,12 +54,39 @@ def order_facts(facts: list[pb.RetrievedFact],
     return ready + other
 
 
+class FactLines:
+    """Each fact's line in the memory block (inferscale_kv.layout.fact_line: its neutral form for `guard`), remembered
+    per fact text (least recently used out past `capacity_chars` characters of texts and lines): a user's facts come
+    back request after request, and making a long text neutral costs most for hostile text packed with added-token
+    strings, on vLLM's event loop. Not thread-safe (the middleware's event loop owns it)."""
+
+    def __init__(self, guard: StoredTextGuard, capacity_chars: int = 16 << 20) -> None:
+        self.guard = guard
+        self.capacity_chars = capacity_chars
+        self._lines: OrderedDict[str, str] = OrderedDict()
+        self._chars = 0
+
+    def line(self, text: str) -> str:
+        """The fact's line: the same string `fact_line(guard, text)` gives."""
+        line = self._lines.get(text)
+        if line is not None:
+            self._lines.move_to_end(text)
+            return line
+        line = fact_line(self.guard, text)
+        self._lines[text] = line
+        self._chars += len(text) + len(line)
+        while self._chars > self.capacity_chars and len(self._lines) > 1:
+            forgotten, forgotten_line = self._lines.popitem(last=False)
+            self._chars -= len(forgotten) + len(forgotten_line)
+        return line
+
+
 def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_content_id: str, profile_id: str,
                 user_id: str, key: Callable[[pb.RetrievedFact], Any] = by_rank_descending,
-                recompute_tail_facts: int = 0, *, guard: StoredTextGuard) -> MemoryPlan:
+                recompute_tail_facts: int = 0, *, lines: FactLines) -> MemoryPlan:
     """The memory block and load plan for retrieved facts in `order_facts(facts, key)` order: each fact's line as
-    the worker tokenized it (`guard`: the node's tokenizer's). Without header KV (`header_content_id` empty) nothing
-    can be injected: every fact is text.
+    the worker tokenized it (`lines`: of the node's tokenizer's guard). Without header KV (`header_content_id`
+    empty) nothing can be injected: every fact is text.
 
     `recompute_tail_facts` = m leaves the last m facts with KV (in the ranked order, the m nearest the question)
     out of the plan: vLLM prefills them after the injected ones, so they attend to the header and every fact
@@ -68,7 +95,7 @@ def plan_memory(facts: list[pb.RetrievedFact], header_ids: list[int], header_con
         facts = [pb.RetrievedFact(fact_id=f.fact_id, version=f.version, text=f.text, score=f.score, rank=f.rank,
                                   created_at=f.created_at) for f in facts]
     ordered = order_facts(facts, key)
-    block = "".join(fact_line(guard, fact.text) for fact in ordered)
+    block = "".join(lines.line(fact.text) for fact in ordered)
     injected = [PlanFact(f.fact_id, f.version, f.content_id, tuple(f.token_ids)) for f in ordered if has_kv(f)]
     injected = injected[: max(len(injected) - recompute_tail_facts, 0)]
     plan = LoadPlan(profile_id, user_id, PlanHeader(header_content_id, tuple(header_ids)), tuple(injected))

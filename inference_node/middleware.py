@@ -11,6 +11,8 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
   tokenization, memory_prompt.MemoryTokens; as text without added special tokens for a tokenizer whose pieces do
   not concatenate: the header carries the BOS). Responses get an `x-inferscale-memory` header with a JSON summary.
   If the memory service cannot be reached the request is answered without memory, and the header says so.
+- A request whose own value the memory service refuses (INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming `user_id`,
+  `top_k`, `retrieval` or `query`) is answered 400 naming the request's field, with the service's message.
 - The middleware answers itself, with a 4xx whose message starts with the field: `memory` on any other route, a
   `memory` field with an unknown key or a wrong value (`user_id` by the memory service's id rule), no question
   (blank after trimming) in kv or text mode, a body that is not JSON though it says it is, nested too deeply for
@@ -44,7 +46,7 @@ import grpc
 import msgspec
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_prompt import FACT_ORDERS, MemoryTokens, plan_memory, system_content
+from inference_node.memory_prompt import FACT_ORDERS, FactLines, MemoryTokens, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.query_embedding import LocalQueryEmbedder
 from inference_node.settings import NodeSettings
@@ -84,6 +86,11 @@ MEMORY_DROPPED = Counter("inferscale_node_memory_dropped", "memory requests answ
 for _reason in DROP_REASONS:  # each reason's series exists from the start, at 0 in a healthy run
     MEMORY_DROPPED.labels(reason=_reason)
 _DROP_REASON_OF_CODE = {grpc.StatusCode.DEADLINE_EXCEEDED: DROP_DEADLINE, grpc.StatusCode.UNAVAILABLE: DROP_UNAVAILABLE}
+# The memory service refusing what a request asked: a RetrieveAndStage field the request's own values fill (the
+# service's message starts with it) -> the request's field. Refusing any other field (the node's profile, node id or
+# query embedding) is the node's configuration disagreeing with the service: the memory is dropped (reason error).
+_REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_REQUEST_FIELD_OF = {"user_id": "memory.user_id", "top_k": "memory.top_k", "retrieval": "memory.retrieval"}
 FACTS_PLACED = Counter("inferscale_node_facts", "facts placed in prompts, by how", ["how"])
 CLIENT_PLANS_REFUSED = Counter("inferscale_node_client_plans_refused",
                                "client-sent kv_transfer_params and reserved cache salts removed from request bodies")
@@ -199,6 +206,21 @@ def question_of(payload: dict, path: str, memory: MemoryRequest) -> str:
     return query
 
 
+def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefused | None:
+    """The request refused (400, named by its own field, with the service's message) when the memory service
+    refused a value the request gave (INVALID_ARGUMENT or RESOURCE_EXHAUSTED: e.g. a top_k past its --max-top-k, a
+    query past its --max-query-chars); None for any other failure."""
+    if error.code() not in _REFUSAL_CODES:
+        return None
+    details = error.details() or ""
+    service_field = re.split(r"[.\[:]", details, maxsplit=1)[0]
+    question_field = "prompt" if path == "/v1/completions" else "messages"
+    field = question_field if service_field == "query" else _REQUEST_FIELD_OF.get(service_field)
+    if field is None:
+        return None
+    return RequestRefused(f"{field}: the memory service refused it ({error.code().name}: {details[:500]})")
+
+
 def _unicode(text: str, field: str) -> str:
     """`text`, whole, if it is Unicode text: the node tokenizes all of it (a completions prompt), not only the
     memory service's query."""
@@ -216,7 +238,7 @@ class MemoryMiddleware:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._header_ids: list[int] = []
         self._header_text = ""
-        self._guard = StoredTextGuard(())
+        self._fact_lines = FactLines(StoredTextGuard(()))
         self._memory_tokens: MemoryTokens | None = None
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
         self._call_metadata: tuple[tuple[str, str], ...] = ()
@@ -233,7 +255,7 @@ class MemoryMiddleware:
             self._tokenizer = AutoTokenizer.from_pretrained(self.settings.model_dir)
             self._header_ids = memory_header_ids(self._tokenizer)
             self._header_text = memory_header_text(self._tokenizer)
-            self._guard = StoredTextGuard.for_tokenizer(self._tokenizer)
+            self._fact_lines = FactLines(StoredTextGuard.for_tokenizer(self._tokenizer))
             self._memory_tokens = MemoryTokens(self._tokenizer)
         if self._stub is None:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
@@ -320,6 +342,9 @@ class MemoryMiddleware:
             response = await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
                                                    metadata=self._call_metadata)
         except grpc.aio.AioRpcError as exc:
+            refused = _refused_by_service(exc, path)
+            if refused is not None:
+                raise refused from None
             # The one case a memory request is answered without its memory: counted, and said in the header.
             reason = _DROP_REASON_OF_CODE.get(exc.code(), DROP_ERROR)
             MEMORY_DROPPED.labels(reason=reason).inc()
@@ -335,7 +360,7 @@ class MemoryMiddleware:
             summary.update(max_tokens=memory.max_tokens, facts_retrieved=len(response.facts))
         plan = plan_memory(facts, self._header_ids, response.header_content_id,
                            self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
-                           memory.recompute_tail_facts if memory.mode == "kv" else 0, guard=self._guard)
+                           memory.recompute_tail_facts if memory.mode == "kv" else 0, lines=self._fact_lines)
         if path == "/v1/chat/completions":
             messages = payload.get("messages", [])
             client_system = ""

@@ -120,7 +120,8 @@ class ServiceBuilder:
                                            coordination.user_records, durable, budgets, coordination.shared)
         kv_pipeline = KvPipeline(fact_store, kv_store, coordination.profile_registry, coordination.work_queue,
                                  coordination.kv_index, coordination.audits, coordination.worker_registry,
-                                 config.kv_lease_max_facts, config.kv_lease_seconds, config.kv_audit_share)
+                                 config.kv_lease_max_facts, config.kv_lease_seconds, config.kv_lease_max_seconds,
+                                 config.kv_audit_share)
         self.metrics.watch_kv(kv_store, kv_pipeline)
         await kv_pipeline.reconcile()
 

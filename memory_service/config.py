@@ -66,6 +66,9 @@ class ServiceConfig:
     kv_gpu_budget_mb: int = option(0, help="deprecated and ignored: the service keeps no fact KV on a GPU")
     kv_disk_budget_gb: float = option(100.0, help="disk KV tier budget")
     kv_lease_seconds: int = option(120, help="default lease length for precompute work")
+    kv_lease_max_seconds: int = option(
+        600, help="longest lease a worker may ask for (a longer one is INVALID_ARGUMENT): leased work and audits "
+        "come back to the queue within it")
     kv_lease_max_facts: int = option(64, help="largest lease batch")
     kv_max_attempts: int = option(3, help="leases of one fact before it is marked failed")
     kv_audit_share: float = option(
@@ -160,6 +163,8 @@ class ServiceConfig:
             raise ConfigError("--kv-disk-budget-gb: must be positive (the disk tier is the durable one)")
         if self.kv_lease_seconds < 1 or self.kv_lease_max_facts < 1 or self.kv_max_attempts < 1:
             raise ConfigError("--kv-lease-seconds, --kv-lease-max-facts, --kv-max-attempts: must be at least 1")
+        if self.kv_lease_seconds > self.kv_lease_max_seconds:
+            raise ConfigError("--kv-lease-seconds: longer than --kv-lease-max-seconds")
         if not 0.0 <= self.kv_audit_share <= 1.0:
             raise ConfigError(f"--kv-audit-share: {self.kv_audit_share} is not a share between 0 and 1")
         if self.log_level not in {"debug", "info", "warning", "error"}:

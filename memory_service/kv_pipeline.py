@@ -34,7 +34,7 @@ from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.work_queue import Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
-from memory_service.errors import NotFound
+from memory_service.errors import InvalidArgument, NotFound
 from memory_service.fact_store import FactStore
 from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference, served_content_id, with_content_id
 from memory_service.kv_store import TieredKvStore
@@ -56,7 +56,7 @@ class AuditOutcome(Enum):
     MATCH = "match"  # the auditor's KV is the stored KV within the tolerance
     MISMATCH = "mismatch"  # it is not: the entry is withdrawn
     STALE = "stale"  # the entry changed or went away before the result came, or its inputs did (computed again)
-    ABANDONED = "abandoned"  # leased too often without a result: the entry stays served, unaudited
+    ABANDONED = "abandoned"  # leased too often without a result: the entry is withdrawn and computed again
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class KvWorkLease:
     facts: list[StoredFact]
     turns_by_user: dict[str, list[StoredTurn]]  # each user's turns up to the latest source turn of its facts
     header_wanted: bool  # the worker should announce the profile's header KV (none is stored, or one waits for audit)
-    audits_abandoned: int  # audits given up by this call (leased too often without a result)
+    audits_abandoned: int  # audits given up by this call (leased too often without a result: entries withdrawn)
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,10 @@ class KvPipeline:
 
     def __init__(self, fact_store: FactStore, kv_store: TieredKvStore, profile_registry: ProfileRegistry,
                  work_queue: KvWorkQueue, kv_index: KvIndex, audits: KvAudits, worker_registry: WorkerRegistry,
-                 lease_max_facts: int, lease_seconds: float, audit_share: float) -> None:
-        """`lease_max_facts`, `lease_seconds`: a lease's largest size and its default length; `audit_share`: the
-        share of new fact KV audited (0: none; headers always are)."""
+                 lease_max_facts: int, lease_seconds: float, lease_max_seconds: float, audit_share: float) -> None:
+        """`lease_max_facts`, `lease_seconds`, `lease_max_seconds`: a lease's largest size, its default length and
+        the longest a worker may ask for; `audit_share`: the share of new fact KV audited (0: none; headers always
+        are)."""
         self._fact_store = fact_store
         self._kv_store = kv_store
         self._profile_registry = profile_registry
@@ -153,6 +154,7 @@ class KvPipeline:
         self._worker_registry = worker_registry
         self._lease_max_facts = lease_max_facts
         self._lease_seconds = lease_seconds
+        self._lease_max_seconds = lease_max_seconds
         self._audit_share = audit_share
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
         self._fields: dict[str, dict] = {}  # the fields of announced profiles (they never change)
@@ -365,15 +367,20 @@ class KvPipeline:
         """Records the worker's report and leases it facts of the profile, with the turns they were said in: audits
         it may do first (audited facts look like any other), then queued facts. Returns the audits given up too.
         `identity`: the worker as audits tell workers apart (its credential, Principal.worker_identity): it is not
-        leased audits of what that identity produced, nor work it is barred from."""
+        leased audits of what that identity produced, nor work it is barred from. A lease longer than the service's
+        maximum raises InvalidArgument before anything changes."""
+        if request.lease_seconds > self._lease_max_seconds:
+            raise InvalidArgument("lease_seconds", f"{request.lease_seconds} is longer than the service's longest "
+                                  f"lease, {self._lease_max_seconds} seconds (--kv-lease-max-seconds)")
         await self._require_profile(request.profile_id)
         await run_blocking(self._worker_registry.record, WorkerReport(
             request.worker_id, request.profile_id, time.time(), request.facts_per_second, request.device))
         max_facts = min(request.max_facts or self._lease_max_facts, self._lease_max_facts)
         lease_seconds = request.lease_seconds or self._lease_seconds
         lease_id = uuid.uuid4().hex
-        audits, abandoned = await run_blocking(self._audits.lease, request.profile_id, identity, max_facts,
-                                               lease_id, time.time() + lease_seconds)
+        abandoned = await run_blocking(self._give_up_audits, request.profile_id)
+        audits = await run_blocking(self._audits.lease, request.profile_id, identity, max_facts, lease_id,
+                                    time.time() + lease_seconds)
         leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts - len(audits),
                                     lease_seconds, identity, lease_id)
         jobs = [Job(request.profile_id, a.key.user_id, a.key.fact_id, a.key.version) for a in audits] + leased.jobs
@@ -395,6 +402,21 @@ class KvPipeline:
         header_wanted = await self.header_wanted(request.profile_id, identity)
         return KvWorkLease(lease_id if facts else "", leased.expires_at, facts, turns_by_user, header_wanted,
                            abandoned)
+
+    def _give_up_audits(self, profile_id: str) -> int:
+        """Gives up the profile's audits that no auditor finished (KvAudits.abandoned): an entry that could not be
+        audited is withdrawn (served as text) and its fact computed again, nobody barred; returns how many (blocking).
+        A failure part-way leaves the rest for the next lease."""
+        abandoned = self._audits.abandoned(profile_id)
+        for audit in abandoned:
+            key = audit.key
+            if not self._kv_store.quarantine(key, [], []):
+                self._audits.finish(audit)  # its entry was replaced or dropped meanwhile
+                continue
+            log.warning("kv_audit_abandoned", profile_id=key.profile_id, user_id=key.user_id, fact_id=key.fact_id,
+                        version=key.version, producer=audit.producer, attempts=self._audits.max_attempts,
+                        action="withdrawn (served as text) and computed again, nobody barred")
+        return len(abandoned)
 
     async def complete(self, profile_id: str, lease_id: str, uploads: Sequence[KvUpload],
                        failures: Sequence[tuple[Job, str]], worker_id: str) -> CompletionCounts:

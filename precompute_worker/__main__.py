@@ -43,7 +43,7 @@ class WorkerOptions:
     worker_id: str = option(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                             help="this worker's name in its leases")
     max_facts: int = option(64, help="facts per lease")
-    lease_seconds: int = option(120, help="lease length (seconds)")
+    lease_seconds: int = option(120, help="lease length (seconds; at most the memory service's --kv-lease-max-seconds)")
     max_tokens_per_forward: int = option(2048, help="most tokens in one forward pass")
     encoding: str = option("shared", choices=("shared", "naive"),
                            help="shared: one forward per conversation window; naive: one forward per fact")

@@ -43,7 +43,7 @@ class QuarantinedBlob:
 
 class KvAudits:
     def __init__(self, database: Database, max_attempts: int) -> None:
-        """`max_attempts`: leases of one audit before it is given up (its entry stays served, unaudited)."""
+        """`max_attempts`: leases of one audit before it is given up (`abandoned`)."""
         self._database = database
         self.max_attempts = max_attempts
 
@@ -73,26 +73,33 @@ class KvAudits:
                 "ORDER BY stored_at DESC LIMIT ? ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
                 (time.time(), profile_id, HEADER_OWNER, *producers, ESCALATED_AUDITS_MAX))
 
-    def lease(self, profile_id: str, worker_id: str, max_facts: int, lease_id: str,
-              expires: float) -> tuple[list[Audit], int]:
-        """Leases up to `max_facts` fact audits that `worker_id` may do (it did not produce them, it is not barred)
-        under `lease_id`, grouped by user; returns them and the audits given up by this call (leased `max_attempts`
-        times without a result: their entries stay served, unaudited)."""
+    def lease(self, profile_id: str, worker_id: str, max_facts: int, lease_id: str, expires: float) -> list[Audit]:
+        """Leases up to `max_facts` fact audits that `worker_id` may do (it did not produce them, it is not barred,
+        they are not `abandoned`) under `lease_id`, grouped by user."""
         now = time.time()
         with self._database.transaction() as tx:
-            abandoned = tx.run("DELETE FROM kv_audits WHERE profile_id = ? AND lease_expires < ? AND attempts >= ?",
-                               (profile_id, now, self.max_attempts))
             rows = tx.rows(
                 "SELECT user_id, fact_id, version, content_id, producer FROM kv_audits WHERE profile_id = ? "
-                "AND user_id != ? AND producer != ? AND (lease_id IS NULL OR lease_expires < ?) AND "
+                "AND user_id != ? AND producer != ? AND (lease_id IS NULL OR lease_expires < ?) AND attempts < ? AND "
                 f"{not_excluded('kv_audits')} ORDER BY user_id, enqueued_at LIMIT ?" + self._database.claim_clause,
-                (profile_id, HEADER_OWNER, worker_id, now, worker_id, max_facts))
+                (profile_id, HEADER_OWNER, worker_id, now, self.max_attempts, worker_id, max_facts))
             for user, fact, *_ in rows:
                 tx.run("UPDATE kv_audits SET lease_id = ?, lease_expires = ?, attempts = attempts + 1 "
                        "WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
                        (lease_id, expires, profile_id, user, fact))
         return [Audit(KvKey(profile_id, user, fact, version, content), producer)
-                for user, fact, version, content, producer in rows], abandoned
+                for user, fact, version, content, producer in rows]
+
+    def abandoned(self, profile_id: str) -> list[Audit]:
+        """The profile's audits leased `max_attempts` times without a result (the last lease expired or was
+        released): leased no more, they wait to be given up (KvIndex.quarantine withdraws their entries and removes
+        them; `finish` an audit whose entry is gone)."""
+        rows = self._database.query(
+            "SELECT user_id, fact_id, version, content_id, producer FROM kv_audits WHERE profile_id = ? "
+            "AND (lease_id IS NULL OR lease_expires < ?) AND attempts >= ?",
+            (profile_id, time.time(), self.max_attempts))
+        return [Audit(KvKey(profile_id, user, fact, version, content), producer)
+                for user, fact, version, content, producer in rows]
 
     def held(self, profile_id: str, user_id: str, fact_id: str, version: int, lease_id: str) -> Audit | None:
         """The audit of the fact's version that `lease_id` holds, if any."""

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from harness.tiny_llama import build_llama3_style_tokenizer
-from inference_node.memory_prompt import plan_memory, system_content
+from inference_node.memory_prompt import FactLines, plan_memory, system_content
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import MEMORY_INSTRUCTION, fact_token_ids, memory_header_ids, memory_header_text
 from inferscale_kv.stored_text import BREAKER, StoredTextGuard, control_token_ids
@@ -101,7 +101,8 @@ def test_no_stored_text_opens_a_turn_in_the_chat_prompt_vllm_tokenizes(tokenizer
     control = control_token_ids(tokenizer)
     guard = StoredTextGuard.for_tokenizer(tokenizer)
     texts = hostile_facts(tokenizer)
-    plan = plan_memory(_retrieved(tokenizer, texts), memory_header_ids(tokenizer), CONTENT_ID, "p", "u", guard=guard)
+    plan = plan_memory(_retrieved(tokenizer, texts), memory_header_ids(tokenizer), CONTENT_ID, "p", "u",
+                       lines=FactLines(guard))
     rendered, ids = _chat(tokenizer, plan.block_text)
     _, harmless_ids = _chat(tokenizer, "".join(f"Harmless fact {index}.\n" for index in range(len(texts))))
     assert _control_ids_in(ids, control) == _control_ids_in(harmless_ids, control)  # one system turn, one user turn
@@ -125,7 +126,8 @@ def test_no_stored_text_opens_a_turn_in_the_completion_prompt_and_every_fact_is_
     control = control_token_ids(tokenizer)
     guard = StoredTextGuard.for_tokenizer(tokenizer)
     header = memory_header_ids(tokenizer)
-    plan = plan_memory(_retrieved(tokenizer, hostile_facts(tokenizer)), header, CONTENT_ID, "p", "u", guard=guard)
+    plan = plan_memory(_retrieved(tokenizer, hostile_facts(tokenizer)), header, CONTENT_ID, "p", "u",
+                       lines=FactLines(guard))
     # What the middleware sends on /v1/completions: header text, memory block, question; no special tokens added.
     ids = tokenizer.encode(memory_header_text(tokenizer) + plan.block_text + QUESTION, add_special_tokens=False)
     memory = header + [token for fact in plan.facts for token in fact.token_ids]

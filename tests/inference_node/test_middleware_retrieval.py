@@ -5,16 +5,26 @@ whose lines fit, and a bad value is a 400 naming the field that reaches neither 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 
+import grpc
 import pytest
+from prometheus_client import REGISTRY
 
-from inference_node.middleware import MemoryMiddleware
+from inference_node.middleware import (
+    DROP_DEADLINE,
+    DROP_ERROR,
+    DROP_REASONS,
+    DROP_UNAVAILABLE,
+    MemoryMiddleware,
+)
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
 from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.stored_text import StoredTextGuard
 
 USER = "mw-retrieval"
 DOG_FACTS = ["Caroline's dog Max loves the beach.", "Caroline walks her dog every morning.",
@@ -120,3 +130,99 @@ def test_a_bad_retrieval_or_max_tokens_is_a_400_naming_it_that_reaches_neither_v
     status, answer, summary = _chat(middleware, memory)
     assert status == 400 and answer["error"]["message"].startswith(f"{field}:") and not summary
     assert app.bodies == []
+
+
+def _dropped() -> dict[str, float]:
+    return {reason: REGISTRY.get_sample_value("inferscale_node_memory_dropped_total", {"reason": reason}) or 0.0
+            for reason in DROP_REASONS}
+
+
+@pytest.fixture
+def node_allowing_more_facts(served, monkeypatch) -> Served:
+    """A node whose own top_k limit is past the memory service's (--max-top-k, 1000 by default)."""
+    middleware, _ = served
+    monkeypatch.setenv(SETTINGS_ENV, dataclasses.replace(middleware.middleware.settings, max_top_k=5000).to_json())
+    return Served(MemoryMiddleware(RecordingApp()), middleware.loop)
+
+
+def test_a_top_k_the_memory_service_refuses_is_a_400_naming_it_not_an_answer_without_memory(
+        node_allowing_more_facts) -> None:
+    """Regression (issue 31 review, L3): any RetrieveAndStage error was answered 200 without the memory; the service
+    refusing what the request asked (here RESOURCE_EXHAUSTED: a top_k past its --max-top-k) is the client's to fix."""
+    dropped = _dropped()
+    status, answer, summary = _chat(node_allowing_more_facts, {"top_k": 2000})
+    assert status == 400 and not summary
+    message = answer["error"]["message"]
+    assert message.startswith("memory.top_k: the memory service refused it (RESOURCE_EXHAUSTED: top_k:"), message
+    assert "1000" in message
+    assert _dropped() == dropped
+
+
+class RefusingStub:
+    """A memory service that fails every RetrieveAndStage with one status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+
+    async def RetrieveAndStage(self, request, timeout, metadata):
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=self.details)
+
+
+@pytest.mark.parametrize(("code", "details", "field"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, "user_id: too long", "memory.user_id"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "retrieval: 7 is not a RetrievalMode", "memory.retrieval"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "query: longer than 100 characters", "messages"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "top_k: 50 exceeds the limit of 20", "memory.top_k"),
+])
+def test_a_value_of_the_request_the_memory_service_refuses_is_a_400_naming_the_requests_field(
+        served, code, details, field) -> None:
+    middleware, app = served
+    middleware.middleware._stub = RefusingStub(code, details)
+    dropped = _dropped()
+    status, answer, summary = _chat(middleware, {})
+    assert status == 400 and not summary and app.bodies == []
+    assert answer["error"]["message"] == f"{field}: the memory service refused it ({code.name}: {details})"
+    assert _dropped() == dropped
+
+
+@pytest.mark.parametrize(("code", "details", "reason"), [
+    (grpc.StatusCode.UNAVAILABLE, "no replica answered", DROP_UNAVAILABLE),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", DROP_DEADLINE),
+    (grpc.StatusCode.INTERNAL, "the service failed", DROP_ERROR),
+    (grpc.StatusCode.PERMISSION_DENIED, "the node's credential may not call RetrieveAndStage", DROP_ERROR),
+    # The node's own configuration, not the request: its profile or query embedder disagreeing with the service.
+    (grpc.StatusCode.INVALID_ARGUMENT, "profile.kv_dtype: 'float7' is not one of float32, bfloat16", DROP_ERROR),
+    (grpc.StatusCode.INVALID_ARGUMENT, "query_vector: has 3 values; the model's vectors have 384", DROP_ERROR),
+])
+def test_a_failure_that_is_not_the_requests_answers_without_memory_and_says_so(served, code, details,
+                                                                                reason) -> None:
+    middleware, app = served
+    middleware.middleware._stub = RefusingStub(code, details)
+    dropped = _dropped()
+    status, _, summary = _chat(middleware, {})
+    assert status == 200 and len(app.bodies) == 1
+    assert (summary["memory"], summary["reason"], summary["error"]) == ("dropped", reason,
+                                                                         f"memory service: {code.name}")
+    assert _dropped() == {**dropped, reason: dropped[reason] + 1}
+
+
+def test_a_second_request_does_not_recompute_the_facts_neutral_lines(served, monkeypatch) -> None:
+    """Regression (issue 31 review, L1): every request made each retrieved fact neutral again (StoredTextGuard
+    .neutral), on vLLM's event loop: a hostile 2,000-character fact costs milliseconds. The node remembers each
+    fact's line; the memory block stays the same."""
+    middleware, app = served
+    assert _chat(middleware, {})[0] == 200
+    first_block = _memory_block(app)
+    fact_texts = {*DOG_FACTS, PARCEL}
+    neutralized: list[str] = []
+    neutral = StoredTextGuard.neutral
+
+    def counting(guard: StoredTextGuard, text: str) -> str:
+        neutralized.append(text)
+        return neutral(guard, text)
+
+    monkeypatch.setattr(StoredTextGuard, "neutral", counting)
+    assert _chat(middleware, {})[0] == 200
+    assert _memory_block(app) == first_block
+    assert fact_texts & set(first_block.splitlines())  # the facts are in the block
+    assert [text for text in neutralized if text in fact_texts] == []

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
-from inference_node.memory_prompt import plan_memory
+from inference_node.memory_prompt import FactLines, plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
 from inferscale_kv.stored_text import StoredTextGuard
@@ -128,7 +128,7 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
     plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many",
-                       guard=StoredTextGuard.for_tokenizer(tokenizer))
+                       lines=FactLines(StoredTextGuard.for_tokenizer(tokenizer)))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     header_ids = memory_header_ids(tokenizer)
@@ -152,7 +152,7 @@ def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
         user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
     plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many",
-                       guard=StoredTextGuard.for_tokenizer(tokenizer))
+                       lines=FactLines(StoredTextGuard.for_tokenizer(tokenizer)))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     injected = [list(f.token_ids) for f in plan.facts[:4]]  # the two facts nearest the question are prefilled

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from memory_service.config import ConfigError, Limits, ServiceConfig, build_parser, load_config
+from precompute_worker.__main__ import build_parser as worker_parser
 from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_variable, flag_defaults
 
 # Every flag and its default, as operators' manifests and scripts know them (each also INFERSCALE_<FLAG>).
@@ -14,7 +15,8 @@ PUBLISHED_FLAGS = {
     "--embedding-model": "all-MiniLM-L6-v2", "--embedding-device": "cpu", "--embedding-backend": "onnx",
     "--embedding-cache-dir": None, "--embedding-batch-size": 64, "--embedding-threads": 1,
     "--max-message-bytes": 64 * 1024 * 1024, "--shutdown-grace-s": 5.0, "--kv-host-budget-mb": 1024,
-    "--kv-gpu-budget-mb": 0, "--kv-disk-budget-gb": 100.0, "--kv-lease-seconds": 120, "--kv-lease-max-facts": 64,
+    "--kv-gpu-budget-mb": 0, "--kv-disk-budget-gb": 100.0, "--kv-lease-seconds": 120, "--kv-lease-max-seconds": 600,
+    "--kv-lease-max-facts": 64,
     "--kv-max-attempts": 3, "--kv-audit-share": 0.05,
     "--retrieval-mode": "vector", "--search-cache-mb": 256, "--lancedb-cache-mb": 128, "--optimize-interval-s": 300.0,
     "--optimize-after-writes": 1000, "--optimize-after-facts": 2000, "--auth-file": None, "--tls-cert-file": None,
@@ -53,6 +55,17 @@ def test_out_of_range_port_error_names_the_flag() -> None:
 def test_default_top_k_above_max_top_k_is_rejected() -> None:
     with pytest.raises(ConfigError, match="--default-top-k"):
         load_config(["--data-dir", "/tmp/x", "--default-top-k", "50", "--max-top-k", "20"])
+
+
+def test_a_default_lease_longer_than_the_longest_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--kv-lease-seconds"):
+        load_config(["--data-dir", "/tmp/x", "--kv-lease-seconds", "700", "--kv-lease-max-seconds", "600"])
+
+
+def test_the_workers_default_lease_is_within_the_services_longest(monkeypatch: pytest.MonkeyPatch) -> None:
+    worker_lease = flag_defaults(worker_parser, monkeypatch)["--lease-seconds"]
+    assert isinstance(worker_lease, int)
+    assert worker_lease <= ServiceConfig(data_dir=Path("/tmp/x")).kv_lease_max_seconds
 
 
 def test_help_lists_every_flag() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +26,9 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.kv_key import content_id
-from inferscale_kv.layout import fact_token_ids, memory_header_ids
+from inferscale_kv.layout import fact_token_ids, memory_header_ids, token_hash
 from inferscale_kv.model_profile import build_model_profile
-from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW, kv_profile_id
 from memory_service.coordination import audits as audits_module
 from memory_service.coordination.audits import KvAudits
 from memory_service.coordination.schema import create_schema
@@ -254,3 +255,50 @@ def test_a_mismatch_adds_a_bounded_number_of_audits(tmp_path: Path, monkeypatch)
     audits = KvAudits(database, max_attempts=3)
     assert audits.escalate("p", ["w"]) == 3
     assert sorted(fact for (fact,) in database.query("SELECT fact_id FROM kv_audits")) == ["f2", "f3", "f4"]
+
+
+def _synthetic_upload(profile: pb.KvProfile, item: pb.KvWorkItem) -> pb.FactKvUpload:
+    tokens = tuple(range(len(item.text.split())))
+    header = KvBlobHeader(profile.profile_id, item.user_id, item.fact_id, item.version, "float32", 2, len(tokens), 1,
+                          4, tokens, content_id(profile.profile_id, [], tokens))
+    keys = torch.ones((2, len(tokens), 1, 4))
+    return pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                           blob=encode_kv_blob(header, keys, keys))
+
+
+def test_an_audit_no_auditor_finishes_is_given_up_and_its_fact_computed_again(service, stub) -> None:
+    """Regression (issue 31 review, M1): an audit leased --kv-max-attempts times (3) without a result was dropped and
+    its entry left served, unaudited (an auditor holding it, or never answering, kept wrong KV served). Now the entry
+    is withdrawn (served as text) and its fact queued again, nobody barred."""
+    profile = pb.KvProfile(model="model-abandoned-audit", model_hash="mh", kv_dtype="float32", tokenizer_hash="th",
+                           header_hash=token_hash((1, 2, 3)), recipe="chunked-rope-cwe", recipe_version=1,
+                           context_window=2)
+    profile.profile_id = kv_profile_id(profile)
+    stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                   announcer_id="producer"))
+    user = "unaudited"
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[pb.FactInput(fact_id="a0", text="Uma sails.")]))
+
+    def lease(worker: str, lease_seconds: int = 60) -> pb.LeaseKvWorkResponse:
+        return stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=worker, profile_id=profile.profile_id,
+                                                      max_facts=64, lease_seconds=lease_seconds))
+
+    while (produced := lease("producer")).items:  # every fact the announcement queued, this user's among them
+        stub.CompleteKvWork(pb.CompleteKvWorkRequest(
+            lease_id=produced.lease_id, worker_id="producer", profile_id=profile.profile_id,
+            results=[_synthetic_upload(profile, item) for item in produced.items]))
+    assert _retrieved(stub, profile, user)["a0"].kv_ready
+    before = _audits(service).get("abandoned", 0)
+    for _ in range(3):  # the service's --kv-max-attempts
+        audit = lease("silent-auditor", lease_seconds=1)
+        assert [item.fact_id for item in audit.items if item.user_id == user] == ["a0"]
+        time.sleep(1.2)
+    third = lease("third")
+    assert [item.fact_id for item in third.items if item.user_id == user] == ["a0"]  # computed again
+    assert _audits(service).get("abandoned", 0) > before
+    assert not _retrieved(stub, profile, user)["a0"].kv_ready  # served as text until then
+    assert _barred(service, user) == [] and _quarantined_workers(service, user) == []
+    stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=third.lease_id, worker_id="third",
+                                                 profile_id=profile.profile_id,
+                                                 results=[_synthetic_upload(profile, item) for item in third.items]))
+    assert _retrieved(stub, profile, user)["a0"].kv_ready

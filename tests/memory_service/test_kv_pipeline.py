@@ -213,6 +213,23 @@ def test_leasing_for_an_unknown_profile_is_not_found(stub) -> None:
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_lease_longer_than_the_services_longest_is_refused_and_changes_nothing(stub) -> None:
+    """The service's longest lease (--kv-lease-max-seconds, 600 by default) bounds how long a worker holds work."""
+    profile = _announce(stub, "model-long-lease")
+    _ingest(stub, "kvp-long-lease", count=2)
+    for seconds in (601, 2**31 - 1):
+        with pytest.raises(grpc.RpcError) as raised:
+            _lease(stub, profile, worker="hoarder", lease_seconds=seconds)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("lease_seconds:") and "600" in raised.value.details()
+    stats = _profile_stats(stub, profile, "kvp-long-lease")
+    assert (stats.queued, stats.leased) == (2, 0)
+    assert "hoarder" not in {w.worker_id for w in stub.GetStats(pb.GetStatsRequest()).workers}
+    lease = _lease(stub, profile, worker="patient", lease_seconds=600)
+    assert sorted(i.fact_id for i in lease.items) == ["f0", "f1"]
+    assert lease.expires_at.seconds <= time.time() + 601
+
+
 def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> None:
     service = MemoryServiceProcess(tmp_path / "data", tmp_path / "log").start()
     with service.channel() as channel:
