@@ -386,7 +386,7 @@ class FactStore:
         for the query."""
         cached = await self._user_writes.read(user_id, self._user_facts)
         if cached is not None:
-            return cached.keyword_top_k(text, top_k)
+            return await run_blocking(cached.keyword_top_k, text, top_k)
         table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
             list(FACT_ROW_COLUMNS)).to_arrow()
         rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS), strict=True))

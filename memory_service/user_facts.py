@@ -58,8 +58,8 @@ class UserFacts:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the entry holds, counting its keyword index (built or not) at twice its texts' length."""
-        return self.vectors.nbytes + sum(3 * len(row[_TEXT]) + len(row[_METADATA_JSON]) + 256 for row in self.rows)
+        """The bytes the entry holds, counting its keyword index (built or not) at three times its texts' length."""
+        return self.vectors.nbytes + sum(4 * len(row[_TEXT]) + len(row[_METADATA_JSON]) + 256 for row in self.rows)
 
     def versions(self, fact_ids: set[str]) -> dict[str, tuple[str, int, int]]:
         """fact_id -> (content_hash, version, created_at_us) for those of `fact_ids` the user has."""
@@ -79,7 +79,8 @@ class UserFacts:
 
     def keyword_top_k(self, query: str, top_k: int) -> list[ScoredFact]:
         """The top-k facts by BM25 of `query` over these facts alone, best first, ties by fact_id; facts sharing no
-        word with the query are left out."""
+        word with the query are left out. The first call builds the index (CPU in proportion to the facts' text):
+        call it off the event loop."""
         return keyword_ranked(self.rows, self.keyword_index, query, top_k)
 
     def merged(self, rows: list[FactRow], vectors: np.ndarray, store_generation: int) -> UserFacts:
