@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 from lancedb.index import FTS, BTree
-from lancedb.query import MatchQuery
 
 from memory_service.blocking import run_blocking
 from memory_service.coordination.store_meta import StoreMeta
@@ -36,9 +35,9 @@ from memory_service.models import (
     StoredTurn,
 )
 from memory_service.object_store import StoreLocation
-from memory_service.retrieval import rank_key
+from memory_service.retrieval import SCORE_DECIMALS, rank_key
 from memory_service.steps import step_done
-from memory_service.user_facts import FACT_ROW_COLUMNS, UserFacts, fact_row, stored_fact
+from memory_service.user_facts import FACT_ROW_COLUMNS, UserFacts, fact_row, keyword_index, keyword_ranked, stored_fact
 from memory_service.user_writes import UserWrites, WriteTicket
 
 log = structlog.get_logger(__name__)
@@ -360,36 +359,38 @@ class FactStore:
             raise LimitExceeded("facts", f"{holder} {held} facts; {created} more would pass {limit_text.format(limit)}")
 
     async def search(self, user_id: str, query_vector: np.ndarray, top_k: int) -> list[ScoredFact]:
-        """Exact cosine top-k over the user's facts, best first: from the user's cached fact matrix, loaded from
-        LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user)."""
+        """Exact cosine top-k over the user's facts, best first, ties by fact_id: from the user's cached fact matrix,
+        loaded from LanceDB on a miss; users too large for the cache are searched in LanceDB (prefiltered by user),
+        taking every fact tied with the k-th, since which of them LanceDB's limit keeps follows its row order."""
         cached = await self._user_writes.read(user_id, self._user_facts)
         if cached is not None:
             return cached.top_k(query_vector, top_k)
-        rows = await (
-            self._facts_table.vector_search(query_vector.astype(np.float32))
-            .distance_type("cosine")
-            .where(f"user_id = '{user_id}'")
-            .select([*FACT_ROW_COLUMNS, "_distance"])
-            .limit(top_k)
-            .to_list()
-        )
+        condition = f"user_id = '{user_id}'"
+
+        def nearest() -> lancedb.query.AsyncVectorQuery:
+            return (self._facts_table.vector_search(query_vector.astype(np.float32)).distance_type("cosine")
+                    .where(condition).select([*FACT_ROW_COLUMNS, "_distance"]))
+
+        rows = await nearest().limit(top_k).to_list()
+        if len(rows) == top_k:
+            kth = max(float(row["_distance"]) for row in rows)
+            rows = await (nearest().distance_range(upper_bound=kth + 2 * 10.0 ** -SCORE_DECIMALS)
+                          .limit(await self._facts_table.count_rows(condition)).to_list())
         scored = [ScoredFact(fact=_stored_fact(row), score=1.0 - float(row["_distance"])) for row in rows]
-        return sorted(scored, key=lambda result: rank_key(result.score, result.fact.fact_id))
+        return sorted(scored, key=lambda result: rank_key(result.score, result.fact.fact_id))[:top_k]
 
     async def keyword_search(self, user_id: str, text: str, top_k: int) -> list[ScoredFact]:
         """The user's top-k facts by BM25 of `text` against their text, best first, ties by fact_id; facts sharing
-        no indexed word with it are not returned. From LanceDB's full-text index, prefiltered by user (exact)."""
-        rows = await (
-            self._facts_table.query()
-            # Words, never query syntax (a quoted string would be a phrase query). mypy misses the pydantic defaults.
-            .nearest_to_text(MatchQuery(text, "text"))  # type: ignore[call-arg]
-            .where(f"user_id = '{user_id}'")
-            .select([*FACT_ROW_COLUMNS, "_score"])
-            .limit(top_k)
-            .to_list()
-        )
-        ranked = sorted(rows, key=lambda row: rank_key(float(row["_score"]), row["fact_id"]))
-        return [ScoredFact(fact=_stored_fact(row), score=float(row["_score"])) for row in ranked]
+        no word with it are not returned. BM25 over the user's facts alone (memory_service.keywords): from the
+        user's cached facts and their index; users too large for the cache are read whole from LanceDB and indexed
+        for the query."""
+        cached = await self._user_writes.read(user_id, self._user_facts)
+        if cached is not None:
+            return await run_blocking(cached.keyword_top_k, text, top_k)
+        table = await self._facts_table.query().where(f"user_id = '{user_id}'").select(
+            list(FACT_ROW_COLUMNS)).to_arrow()
+        rows = list(zip(*(table.column(column).to_pylist() for column in FACT_ROW_COLUMNS), strict=True))
+        return await run_blocking(lambda: keyword_ranked(rows, keyword_index(rows), text, top_k))
 
     async def _user_facts(self, user_id: str, store_generation: int) -> UserFacts:
         """The user's facts as LanceDB has them now, labelled `store_generation` (user_writes.UserFactsRead)."""

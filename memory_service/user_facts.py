@@ -1,16 +1,19 @@
 """A user's facts in memory: their rows and unit embeddings, so that a query's exact top-k is one matrix-vector
 product instead of a LanceDB scan (which costs milliseconds of CPU per query and queues under hundreds of
-concurrent callers). The search cache holds these (memory_service.user_writes says when a copy is current)."""
+concurrent callers), and their BM25 index for keyword queries, built at the first. The search cache holds these
+(memory_service.user_writes says when a copy is current)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Final
 
 import numpy as np
 
+from memory_service.keywords import KeywordIndex
 from memory_service.models import ScoredFact, StoredFact
 from memory_service.retrieval import SCORE_DECIMALS, rank_key
 
@@ -55,7 +58,8 @@ class UserFacts:
 
     @property
     def nbytes(self) -> int:
-        return self.vectors.nbytes + sum(len(row[_TEXT]) + len(row[_METADATA_JSON]) + 256 for row in self.rows)
+        """The bytes the entry holds, counting its keyword index (built or not) at three times its texts' length."""
+        return self.vectors.nbytes + sum(4 * len(row[_TEXT]) + len(row[_METADATA_JSON]) + 256 for row in self.rows)
 
     def versions(self, fact_ids: set[str]) -> dict[str, tuple[str, int, int]]:
         """fact_id -> (content_hash, version, created_at_us) for those of `fact_ids` the user has."""
@@ -66,14 +70,18 @@ class UserFacts:
         """Exact cosine top-k, best first (ties by fact_id: retrieval.rank_key)."""
         if not self.rows:
             return []
-        scores = self.vectors @ query_vector.astype(np.float32)
-        if top_k >= len(scores):
-            chosen = np.arange(len(scores))
-        else:  # every fact tied with the k-th by rank_key is a candidate
-            kth = float(np.partition(-scores, top_k - 1)[top_k - 1])
-            chosen = np.flatnonzero(-scores <= kth + 10.0 ** -SCORE_DECIMALS)
-        ranked = sorted(chosen.tolist(), key=lambda i: rank_key(float(scores[i]), self.rows[i][_FACT_ID]))[:top_k]
-        return [ScoredFact(fact=stored_fact(self.rows[i]), score=float(scores[i])) for i in ranked]
+        return ranked_facts(self.rows, self.vectors @ query_vector.astype(np.float32), top_k)
+
+    @cached_property
+    def keyword_index(self) -> KeywordIndex:
+        """BM25 over these facts' texts alone (built at the first use; a write makes a new UserFacts)."""
+        return keyword_index(self.rows)
+
+    def keyword_top_k(self, query: str, top_k: int) -> list[ScoredFact]:
+        """The top-k facts by BM25 of `query` over these facts alone, best first, ties by fact_id; facts sharing no
+        word with the query are left out. The first call builds the index (CPU in proportion to the facts' text):
+        call it off the event loop."""
+        return keyword_ranked(self.rows, self.keyword_index, query, top_k)
 
     def merged(self, rows: list[FactRow], vectors: np.ndarray, store_generation: int) -> UserFacts:
         """These facts with `rows` written over them (replacing the rows of the same fact_ids, appending new ones),
@@ -90,3 +98,27 @@ class UserFacts:
                 merged_rows[at] = row
                 merged_vectors[at] = vectors[index]
         return UserFacts(merged_rows, np.concatenate([merged_vectors, vectors[appended]]), store_generation)
+
+
+def ranked_facts(rows: Sequence[FactRow], scores: np.ndarray, top_k: int,
+                 among: np.ndarray | None = None) -> list[ScoredFact]:
+    """The top-k of `rows` (all, or those at the indices `among`) by `scores` (scores[i] of rows[i]), best first,
+    ties by fact_id (retrieval.rank_key)."""
+    chosen = np.arange(len(rows)) if among is None else among
+    if top_k < len(chosen):  # every fact tied with the k-th by rank_key is a candidate
+        kth = float(np.partition(-scores[chosen], top_k - 1)[top_k - 1])
+        chosen = chosen[-scores[chosen] <= kth + 10.0 ** -SCORE_DECIMALS]
+    ranked = sorted(chosen.tolist(), key=lambda i: rank_key(float(scores[i]), rows[i][_FACT_ID]))[:top_k]
+    return [ScoredFact(fact=stored_fact(rows[i]), score=float(scores[i])) for i in ranked]
+
+
+def keyword_index(rows: Sequence[FactRow]) -> KeywordIndex:
+    """BM25 over the texts of `rows` alone, in order."""
+    return KeywordIndex([row[_TEXT] for row in rows])
+
+
+def keyword_ranked(rows: Sequence[FactRow], index: KeywordIndex, query: str, top_k: int) -> list[ScoredFact]:
+    """The top-k of `rows` by BM25 of `query` (`index` built over exactly these rows' texts, in order), best first,
+    ties by fact_id; rows sharing no word with the query are left out."""
+    scores = index.scores(query)
+    return ranked_facts(rows, scores, top_k, among=np.flatnonzero(scores > 0))

@@ -1,4 +1,4 @@
-"""Retrieval modes through a real memory service (real LanceDB and its full-text index, the real embedding model):
+"""Retrieval modes through a real memory service (real LanceDB, per-user BM25, the real embedding model):
 vector, keyword and hybrid; a keyword-only fact, deletes, ties and the requests each mode refuses."""
 
 from __future__ import annotations

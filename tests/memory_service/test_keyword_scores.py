@@ -1,0 +1,79 @@
+"""Keyword scores and ranks depend only on the user's own facts: another user's facts with the query's words, and
+compaction, change neither; facts that tie are ranked by fact_id in every mode, also where the top-k cut falls among
+them. For users answered from the search cache and for users too large for it (read from LanceDB per query)."""
+
+from __future__ import annotations
+
+import string
+
+import numpy as np
+import pytest
+
+from memory_service.coordination import Coordination
+from memory_service.fact_store import FactStore
+from memory_service.models import NewFact, ScoredFact
+from memory_service.object_store import S3Settings, StoreLocation
+from memory_service.retrieval import candidates, fuse
+from memory_service.sql import SqliteDatabase
+from memory_service.user_writes import UserWrites
+
+DIM = 4
+CACHE = {"cached": 256 << 20, "uncached": 0}
+
+
+async def _embed(texts: list[str]) -> np.ndarray:
+    """Every text embeds to the same unit vector: vector scores tie exactly."""
+    return np.tile(np.eye(DIM, dtype=np.float32)[0], (len(texts), 1))
+
+
+async def _open_store(data_dir, search_cache_bytes: int) -> FactStore:
+    coordination = Coordination.open(SqliteDatabase(data_dir / "kv" / "index.sqlite"))
+    user_writes = UserWrites(coordination.user_records, shared=False, search_cache_bytes=search_cache_bytes)
+    store = FactStore(StoreLocation.parse("", data_dir, S3Settings()), user_writes, coordination.store_meta,
+                      "test-embedder", DIM)
+    await store.open()
+    return store
+
+
+def _scored(results: list[ScoredFact]) -> list[tuple[str, float]]:
+    return [(scored.fact.fact_id, scored.score) for scored in results]
+
+
+async def _ranked(store: FactStore, user_id: str, query: str, mode: str, top_k: int) -> list[str]:
+    query_vector = np.eye(DIM, dtype=np.float32)[0]
+    if mode == "vector":
+        results = await store.search(user_id, query_vector, top_k)
+    elif mode == "keyword":
+        results = await store.keyword_search(user_id, query, top_k)
+    else:  # as operations.py fuses them
+        depth = candidates(top_k)
+        results = fuse(await store.search(user_id, query_vector, depth),
+                       await store.keyword_search(user_id, query, depth), query, top_k)
+    return [scored.fact.fact_id for scored in results]
+
+
+@pytest.mark.parametrize("cache", CACHE)
+async def test_a_users_keyword_scores_do_not_change_when_another_user_stores_the_querys_words(tmp_path, cache) -> None:
+    store = await _open_store(tmp_path, CACHE[cache])
+    await store.ingest_facts("a", [NewFact("pets", "Nora adopted a kitten and a puppy"),
+                                   NewFact("garden", "Nora plants tulips in spring"),
+                                   NewFact("both", "The kitten sleeps among the tulips")], _embed)
+    assert await store.optimize()
+    query = "kitten tulips"
+    before = _scored(await store.keyword_search("a", query, 10))
+    assert [fact_id for fact_id, _ in before] == ["both", "garden", "pets"]
+    await store.ingest_facts("b", [NewFact(f"b{i}", f"kitten number {i} among tulips") for i in range(300)], _embed)
+    assert _scored(await store.keyword_search("a", query, 10)) == before
+    assert await store.optimize()
+    assert _scored(await store.keyword_search("a", query, 10)) == before
+
+
+@pytest.mark.parametrize("cache", CACHE)
+async def test_tied_facts_are_cut_by_fact_id_in_every_mode_before_and_after_compaction(tmp_path, cache) -> None:
+    store = await _open_store(tmp_path, CACHE[cache])
+    for fact_id in reversed(string.ascii_lowercase):  # z first: LanceDB's row order is the reverse of fact_id order
+        await store.ingest_facts("u", [NewFact(fact_id, "Ana grows tomatoes on her balcony.")], _embed)
+    for _ in ("before", "after"):
+        for mode in ("vector", "keyword", "hybrid"):
+            assert await _ranked(store, "u", "tomatoes on the balcony", mode, 3) == ["a", "b", "c"], mode
+        assert await store.optimize()
