@@ -161,10 +161,9 @@ class ServiceBuilder:
         self._made(part, stop)
 
     async def _optimize_periodically(self, fact_store: FactStore) -> None:
-        """Folds small write fragments together and into the user and text indices, so that reading an uncached user
-        stays an index lookup and a keyword search an index search as ingests accumulate: every
-        --optimize-interval-s, or as soon as --optimize-after-writes writes or --optimize-after-facts written facts are
-        waiting (a burst of ingest, such as a bulk import, left uncompacted makes every uncached read scan them).
+        """Folds small write fragments together and into the user index, so that reading an uncached user stays an
+        index lookup as ingests accumulate: every --optimize-interval-s, or as soon as --optimize-after-writes writes
+        are waiting (a burst of ingest, such as a bulk import, left uncompacted makes every uncached read scan them).
         A compaction that failed, or that another replica's write preempted, is tried again after a back-off that
         doubles up to the interval, so a lasting error or a busy shared store does not make it a loop."""
         config = self.config
@@ -175,7 +174,6 @@ class ServiceBuilder:
                 continue
             waited = time.monotonic() - last
             if waited < backoff_s or (fact_store.writes_since_optimize < config.optimize_after_writes
-                                      and fact_store.facts_since_optimize < config.optimize_after_facts
                                       and waited < config.optimize_interval_s):
                 continue
             last = time.monotonic()

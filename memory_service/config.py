@@ -74,10 +74,8 @@ class ServiceConfig:
     kv_audit_share: float = option(
         0.05, help="share of new fact KV that another worker computes again to compare (sampled per user and "
         "completion; 0: none); every profile's memory header is audited regardless")
-    # Not hybrid, though it finds more evidence: BM25's word statistics span every user's facts (README, "Retrieval
-    # modes").
     retrieval_mode: str = option(
-        "vector", choices=RETRIEVAL_MODES,
+        "hybrid", choices=RETRIEVAL_MODES,
         help="how a search that names no retrieval mode ranks a user's facts: vector (cosine of the embeddings), "
         "keyword (BM25 of the text) or hybrid (both fused, and a date the query names matched: "
         "memory_service/retrieval.py)")
@@ -92,10 +90,6 @@ class ServiceConfig:
     # An uncached user's read scans every write not yet compacted, so a bulk import is compacted early; not after every
     # few writes, as each compaction also grows LanceDB's caches.
     optimize_after_writes: int = option(1000, help="compact sooner once this many writes wait (a bulk import)")
-    # Keyword search scans the fact rows its full-text index does not hold yet (benchmarks/RESULTS.md, "Retrieval
-    # modes on LoCoMo").
-    optimize_after_facts: int = option(
-        2000, help="compact sooner once this many written facts wait outside the full-text index")
     auth_file: Path | None = option(
         None, help="credentials (JSON; see memory_service/access.py); unset: every caller is admitted")
     tls_cert_file: Path | None = option(
@@ -153,8 +147,6 @@ class ServiceConfig:
             raise ConfigError("--optimize-interval-s: must be positive")
         if self.optimize_after_writes < 1:
             raise ConfigError("--optimize-after-writes: must be at least 1")
-        if self.optimize_after_facts < 1:
-            raise ConfigError("--optimize-after-facts: must be at least 1")
         if self.lancedb_cache_mb < 1:
             raise ConfigError("--lancedb-cache-mb: must be at least 1")
         if self.search_cache_mb < 0:

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
-from lancedb.index import FTS, BTree
+from lancedb.index import BTree
 
 from memory_service.blocking import run_blocking
 from memory_service.coordination.store_meta import StoreMeta
@@ -47,7 +47,6 @@ TURNS_TABLE = "turns"
 EMBEDDING_META = "embedding"  # the store_meta entry naming the embedding model and dimension
 # LanceDB's BM25 index on fact text: lower-cased, ASCII-folded, stemmed (English), stop words out; no positions
 # (phrase queries are not offered).
-TEXT_INDEX = FTS(with_position=False)
 
 
 class StoreMismatch(RuntimeError):
@@ -136,7 +135,6 @@ class FactStore:
         self._turns: lancedb.table.AsyncTable | None = None
         self._commit_lock = asyncio.Lock()
         self._writes_since_optimize = 0
-        self._facts_since_optimize = 0  # fact rows written since: outside the text index until `optimize`
         self._user_indexed_tables: set[str] = set()
         # Bounded: LanceDB's defaults keep a manifest per table version, and every write makes one.
         self._lancedb_session = lancedb.Session(index_cache_size_bytes=lancedb_cache_bytes // 2,
@@ -158,7 +156,6 @@ class FactStore:
         self._turns = await self._open_or_create(db, TURNS_TABLE, TURNS_SCHEMA, existing)
         for table in (self._facts, self._turns):
             await self._ensure_user_index(table)
-        await self._ensure_text_index()
 
     def _check_store_meta(self) -> None:
         """Refuses a store written with another embedding model or dimension."""
@@ -205,24 +202,11 @@ class FactStore:
         if "user_id" in indexed:
             self._user_indexed_tables.add(table.name)
 
-    async def _ensure_text_index(self) -> None:
-        """The full-text index on fact text that keyword search needs (LanceDB builds it on an empty table too; rows
-        written after it are searched unindexed, still exactly, until `optimize` folds them in)."""
-        table = self._facts_table
-        if "text" in await _indexed_columns(table):
-            return
-        try:
-            await table.create_index("text", config=TEXT_INDEX)
-        except (RuntimeError, ValueError) as error:  # another replica's build or compaction committed first
-            await table.checkout_latest()
-            if "text" not in await _indexed_columns(table):
-                raise error
-
     async def optimize(self) -> bool:
-        """Compacts small write fragments and folds new rows into the indices (user, text). A compaction preempted
+        """Compacts small write fragments and folds new rows into the user index. A compaction preempted
         by a concurrent write (another replica's) is left to the next call. Returns whether every table was compacted;
         writes committed while it ran still count towards the next call."""
-        writes, facts = self._writes_since_optimize, self._facts_since_optimize
+        writes = self._writes_since_optimize
         preempted = False
         for table in (self._facts_table, self._turns_table):
             await self._ensure_user_index(table)
@@ -235,16 +219,11 @@ class FactStore:
                 log.info("store_optimize_preempted", table=table.name, reason=str(error).split(",")[0])
         if not preempted:
             self._writes_since_optimize -= writes
-            self._facts_since_optimize -= facts
         return not preempted
 
     @property
     def writes_since_optimize(self) -> int:
         return self._writes_since_optimize
-
-    @property
-    def facts_since_optimize(self) -> int:
-        return self._facts_since_optimize
 
     @property
     def _facts_table(self) -> lancedb.table.AsyncTable:
@@ -265,8 +244,6 @@ class FactStore:
             else:
                 await table.merge_insert("key").when_matched_update_all().when_not_matched_insert_all().execute(rows)
             self._writes_since_optimize += 1
-            if table is self._facts:
-                self._facts_since_optimize += rows.num_rows
             try:
                 await self._ensure_user_index(table)
             except Exception:  # the write committed; the index is the next write's or optimize's

@@ -161,9 +161,9 @@ async def test_a_user_index_built_by_another_writer_first_does_not_fail_this_one
     await store._ensure_user_index(facts)  # this replica's view predates the other's index
 
     # One user index (the other replica's), beside the full-text index `open` built.
-    assert sorted(index.columns for index in await facts.list_indices()) == [["text"], ["user_id"]]
+    assert sorted(index.columns for index in await facts.list_indices()) == [["user_id"]]
     await store.ingest_facts("u", [NewFact("f0", "axis-0 fact")], _axis_embed)
-    assert sorted(index.columns for index in await facts.list_indices()) == [["text"], ["user_id"]]
+    assert sorted(index.columns for index in await facts.list_indices()) == [["user_id"]]
 
 
 async def test_a_compaction_preempted_by_another_writers_delete_is_left_for_later(tmp_path) -> None:
@@ -208,27 +208,23 @@ async def test_a_users_cached_fact_matrix_holds_nothing_in_arrows_memory_pool(tm
     assert pa.total_allocated_bytes() - pooled < cached.vectors.nbytes
 
 
-async def test_keyword_search_finds_new_facts_before_compaction_folds_them_into_the_index_and_after(tmp_path) -> None:
+async def test_keyword_search_finds_new_facts_before_compaction_and_after_and_a_deleted_one_never(tmp_path) -> None:
     store = _local_store(tmp_path)
     await store.open()
     await store.ingest_facts("u", [NewFact("f0", "axis-0 Nora plants tulips"), NewFact("f1", "axis-1 Ben fixes bikes")],
                              _axis_embed)
     await store.ingest_facts("v", [NewFact("f0", "axis-2 Vera grows tulips")], _axis_embed)
-    assert store.facts_since_optimize == 3
     found = [scored.fact.fact_id for scored in await store.keyword_search("u", "tulips", 10)]
-    assert found == ["f0"]  # unindexed rows are searched too, and the other user's tulips are not
-    assert await store.optimize() and store.facts_since_optimize == 0
-    (text_index,) = [index for index in await store._facts_table.list_indices() if index.columns == ["text"]]
-    stats = await store._facts_table.index_stats(text_index.name)
-    assert stats is not None and stats.num_unindexed_rows == 0
+    assert found == ["f0"]  # the other user's tulips are not
+    assert await store.optimize()
     assert [scored.fact.fact_id for scored in await store.keyword_search("u", "tulips", 10)] == ["f0"]
     await store.delete_facts("u", ["f0"])
     assert await store.keyword_search("u", "tulips", 10) == []
 
 
 async def test_a_question_in_double_quotes_is_words_to_search_not_a_phrase_query_that_fails(tmp_path) -> None:
-    """LanceDB reads a quoted string as a phrase query, which an index without positions refuses (it raised, and the
-    call ended INTERNAL): a user's question is always words."""
+    """A user's question is always words: LanceDB's full-text search read a quoted one as a phrase query, which its
+    index refused (the call ended INTERNAL)."""
     store = _local_store(tmp_path)
     await store.open()
     await store.ingest_facts("u", [NewFact("f0", "axis-0 the parcel went to Lisbon")], _axis_embed)
