@@ -30,10 +30,10 @@ from benchmarks.serve_requests import (
     CONTENDERS,
     Sample,
     Workload,
-    arrival_offsets,
     describe,
     ingest,
     one_request,
+    run_load,
     summarize,
     synthetic_workload,
 )
@@ -95,23 +95,6 @@ def _settled(nodes: list[InferenceNodeProcess], lookups_before: float, expected:
         counts = again
 
 
-def _run_load(ask, jobs: list[tuple[str, str]], load: str) -> tuple[list[Sample], float]:
-    """The jobs at one load ("c<N>": N in flight; "r<R>": Poisson arrivals at R/s); the samples and the wall time."""
-    started = time.perf_counter()
-    if load.startswith("c"):
-        with ThreadPoolExecutor(max_workers=int(load[1:])) as pool:
-            samples = list(pool.map(ask, jobs))
-    else:
-        offsets = arrival_offsets(len(jobs), float(load[1:]), random.Random(len(jobs)))
-        with ThreadPoolExecutor(max_workers=min(len(jobs), 256)) as pool:
-            futures = []
-            for offset, job in zip(offsets, jobs, strict=True):
-                time.sleep(max(0.0, started + offset - time.perf_counter()))
-                futures.append(pool.submit(ask, job))
-            samples = [future.result() for future in futures]
-    return samples, time.perf_counter() - started
-
-
 def measure_routing(routing: str, nodes: list[InferenceNodeProcess], workload: Workload, model: str,
                     args: argparse.Namespace, loads: list[str], rng: random.Random, work: Path) -> dict:
     """One routing on the running nodes: a fresh router, a warm-up of every user, then each (load, k)."""
@@ -135,9 +118,11 @@ def measure_routing(routing: str, nodes: list[InferenceNodeProcess], workload: W
                 jobs = workload.jobs(args.requests, rng)
                 rng.shuffle(jobs)  # users in no fixed order: round robin would otherwise pin user i to node i mod N
                 before = [NodeCounts.read(node) for node in nodes]
-                samples, wall_s = _run_load(
-                    lambda job, k=k: one_request(clients[job[0]], model, job[0], job[1], CONTENDERS["kv"], k,
-                                                 args.max_tokens, routing), jobs, load)
+                def ask(job: tuple[str, str], k: int = k) -> Sample:
+                    return one_request(clients[job[0]], model, job[0], job[1], CONTENDERS["kv"], k,
+                                       args.max_tokens, routing)
+
+                samples, wall_s = run_load(ask, jobs, load)
                 lookups_before = sum(count.node_cache_lookups for count in before)
                 after = _settled(nodes, lookups_before, len(jobs) * (k + 1))
                 row = summarize(samples, wall_s)

@@ -68,11 +68,11 @@ from benchmarks.serve_requests import (
     CONTENDERS,
     Sample,
     Workload,
-    arrival_offsets,
     describe,
     ingest,
     locomo_workload,
     one_request,
+    run_load,
     summarize,
     synthetic_workload,
 )
@@ -264,19 +264,8 @@ def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: st
         return one_request(client, model, job[0], job[1], memory, k, max_tokens, contender,
                            min(k, len(facts_of[job[0]])))
 
-    started = time.perf_counter()
-    if load.startswith("c"):
-        with ThreadPoolExecutor(max_workers=int(load[1:])) as pool:
-            samples = list(pool.map(ask, jobs))
-    else:
-        offsets = arrival_offsets(len(jobs), float(load[1:]), random.Random(len(jobs)))
-        with ThreadPoolExecutor(max_workers=min(len(jobs), 256)) as pool:
-            futures = []
-            for offset, job in zip(offsets, jobs, strict=True):
-                time.sleep(max(0.0, started + offset - time.perf_counter()))
-                futures.append(pool.submit(ask, job))
-            samples = [future.result() for future in futures]
-    row = summarize(samples, time.perf_counter() - started)
+    samples, wall_s = run_load(ask, jobs, load)
+    row = summarize(samples, wall_s)
     after = node_counters(base_url)
     for metric, histogram in (("engine_ttft_ms", "ttft"), ("engine_queue_ms", "queue"),
                               ("engine_prefill_ms", "prefill")):

@@ -9,6 +9,8 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +185,24 @@ def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
         offsets.append(now)
         now += rng.expovariate(rate)
     return offsets
+
+
+def run_load(ask: Callable[[tuple[str, str]], Sample], jobs: list[tuple[str, str]],
+             load: str) -> tuple[list[Sample], float]:
+    """The jobs at one load ("c<N>": N in flight; "r<R>": Poisson arrivals at R/s); the samples and the wall time."""
+    started = time.perf_counter()
+    if load.startswith("c"):
+        with ThreadPoolExecutor(max_workers=int(load[1:])) as pool:
+            samples = list(pool.map(ask, jobs))
+    else:
+        offsets = arrival_offsets(len(jobs), float(load[1:]), random.Random(len(jobs)))
+        with ThreadPoolExecutor(max_workers=min(len(jobs), 256)) as pool:
+            futures = []
+            for offset, job in zip(offsets, jobs, strict=True):
+                time.sleep(max(0.0, started + offset - time.perf_counter()))
+                futures.append(pool.submit(ask, job))
+            samples = [future.result() for future in futures]
+    return samples, time.perf_counter() - started
 
 
 def describe(load: str) -> str:
