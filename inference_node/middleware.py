@@ -18,6 +18,8 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
   (blank after trimming) in kv or text mode, a body that is not JSON though it says it is, nested too deeply for
   the parser, or larger than MAX_BODY_BYTES (413). Any failure of its own is logged with the request id
   (`x-request-id`, the client's or a new one) and answered 500 naming it; never does vLLM see such a request.
+- Once the server is told to stop (SIGTERM, SIGINT), `GET /health` and every new POST are answered 503
+  (`drain.StopWatch`; counted in `inferscale_node_stopping_refused_total`) while vLLM finishes the requests in flight.
 
     "memory": {"user_id": "...", "top_k": 20, "mode": "kv" | "text" | "off",
                "order": "ranked" | "created", "recompute_tail_facts": m, "kv_crossover_tokens": n,
@@ -46,6 +48,7 @@ import grpc
 import msgspec
 from prometheus_client import Counter, Histogram
 
+from inference_node.drain import StopWatch
 from inference_node.memory_prompt import FACT_ORDERS, FactLines, MemoryTokens, plan_memory, system_content
 from inference_node.plan import PlanSigner, plan_secret_from_env, strip_client_plans
 from inference_node.query_embedding import LocalQueryEmbedder
@@ -74,10 +77,11 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_QUERY_CHARS = 2000
 # The largest request body the middleware reads; a larger one is answered 413 before it is buffered.
 MAX_BODY_BYTES = 64 << 20
-_ERROR_TYPES = {413: "RequestTooLargeError", 500: "InternalServerError"}
+_ERROR_TYPES = {413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 LOGGER = logging.getLogger(__name__)
 
 REQUESTS = Counter("inferscale_node_memory_requests", "requests with a memory field, by mode", ["mode"])
+STOPPING_REFUSED = Counter("inferscale_node_stopping_refused", "requests answered 503 because the node is stopping")
 DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
 DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
 MEMORY_DROPPED = Counter("inferscale_node_memory_dropped", "memory requests answered without their memory because "
@@ -246,6 +250,7 @@ class MemoryMiddleware:
         self._signer = PlanSigner(plan_secret_from_env())
         self._query_embedder = (LocalQueryEmbedder(self.settings.embedding_model)
                                 if self.settings.embed_queries_locally else None)
+        self._stop_watch = StopWatch()
 
     def _prepare(self) -> memory_pb2_grpc.MemoryServiceStub:
         """Loads the tokenizer and opens the memory service's channel on first use; the stub."""
@@ -264,6 +269,13 @@ class MemoryMiddleware:
         return self._stub
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "lifespan":  # the server is up, its own stop-signal handlers registered
+            self._stop_watch.install()
+        elif scope["type"] == "http" and self._stop_watch.refuses(scope.get("method"), scope.get("path")):
+            STOPPING_REFUSED.inc()
+            await _send_error(send, 503, "the node is stopping: send the request to another node", None,
+                              _request_id(scope), close=True)
+            return
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
@@ -459,11 +471,14 @@ def _replay(body: bytes, receive: Callable) -> Callable:
     return replay_receive
 
 
-async def _send_error(send: Callable, status: int, message: str, param: str | None, request_id: str) -> None:
-    """An OpenAI-style error answer (`param`: the request's top-level field it is about) naming the request."""
+async def _send_error(send: Callable, status: int, message: str, param: str | None, request_id: str, *,
+                      close: bool = False) -> None:
+    """An OpenAI-style error answer (`param`: the request's top-level field it is about) naming the request;
+    `close` ends the client's connection after it."""
     body = json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"),
                                  "param": param, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (REQUEST_ID_HEADER.encode(), request_id.encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (REQUEST_ID_HEADER.encode(), request_id.encode())]})
+                "headers": [*headers, (b"connection", b"close")] if close else headers})
     await send({"type": "http.response.body", "body": body})

@@ -384,8 +384,10 @@ def test_inference_node_flags_are_ones_inference_node_or_vllm_accepts(monkeypatc
 
 def test_inference_node_probes_health_with_a_startup_allowance_for_model_load():
     container = _container("Deployment", "inference-node")
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    # /health turns 503 while the node drains (inference_node/drain.py): liveness asks vLLM's /ping instead.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/ping", "port": "http"}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
     volumes = {volume["name"]: volume for volume in _find("Deployment", "inference-node")["spec"]["template"]["spec"]

@@ -77,9 +77,10 @@ class Reply:
     seconds: float = 0.0
 
 
-def ask(router: RouterProcess, user: str, *, memory_user: str | None = None, mode: str = "kv",
+def ask(router: RouterProcess | InferenceNodeProcess, user: str, *, memory_user: str | None = None, mode: str = "kv",
         headers: dict[str, str] | None = None, max_tokens: int = 2) -> Reply:
-    """A completion through the router with the user header naming `user` (unless `headers` replace it)."""
+    """A completion through the router (or straight to a node) with the user header naming `user` (unless `headers`
+    replace it)."""
     body: dict = {"model": MODEL, "prompt": QUESTION, "max_tokens": max_tokens, "temperature": 0}
     if mode != "none":
         body["memory"] = {"user_id": memory_user or user, "top_k": FACTS, "mode": mode}
@@ -95,6 +96,15 @@ def ask(router: RouterProcess, user: str, *, memory_user: str | None = None, mod
     except urllib.error.HTTPError as error:
         return Reply(error.code, {"error": error.read().decode(errors="replace")[:500]},
                      seconds=time.perf_counter() - started)
+
+
+def _status(url: str) -> int:
+    """The HTTP status of a GET."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 def _node_samples(node: InferenceNodeProcess) -> dict[str, float]:
@@ -334,7 +344,8 @@ def test_a_node_killed_hands_its_users_to_the_other_and_gets_them_back_when_it_r
 
 def test_a_stopping_node_finishes_its_request_in_flight_and_its_users_go_to_the_other(fleet) -> None:
     """SIGTERM to the node's server (what Kubernetes sends its container) with --shutdown-timeout: vLLM drains its
-    requests in flight and answers new ones 500, which the router retries on the other node."""
+    requests in flight while the node answers readiness and new requests 503, which the router retries on the other
+    node (vLLM alone would admit new requests while it drains, and one arriving after its engine stopped would hang)."""
     router = fleet.route("consistent-hash")
     stopping = fleet.nodes[1]
     user = next(user for user, home in fleet.homes.items() if home == 1)
@@ -348,6 +359,12 @@ def test_a_stopping_node_finishes_its_request_in_flight_and_its_users_go_to_the_
         time.sleep(0.05)
     assert stopping.process is not None
     os.kill(stopping.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while _status(f"{stopping.base_url}/health") != 503:
+        assert time.monotonic() < deadline, "the stopping node still reports itself ready"
+        time.sleep(0.05)
+    direct = ask(stopping, user)
+    assert direct.status == 503 and "stopping" in direct.summary["error"], direct
     replies = [ask(router, other) for other in fleet.users for _ in range(2)]
     in_flight.join(timeout=DRAIN_S)
     assert [reply.status for reply in replies] == [200] * len(replies)
