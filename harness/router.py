@@ -7,6 +7,12 @@ x-request-id, x-trace-id that a request carries, onto a ring of the workers whos
 them, so a worker that leaves or comes back moves only its own share of the keys. A request carrying none of them
 is hashed on its prompt text instead (every chat request on the same key). Requests and response headers pass
 through unchanged, the body re-serialized with the fields the router knows filled in.
+
+`power_of_two` (for the requests that name no user) draws two healthy workers at random and sends the request to the
+one with fewer requests in flight from this router process (its own count: vLLM has no `/get_load`, which the policy
+also polls, getting 404, and ignores), so an idle worker takes the requests a busy one would queue; with equal
+counts the pick is random. It reads no header. Every decision counts in
+`vllm_router_policy_decisions_total{policy="power_of_two",worker=...}`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ STARTUP_TIMEOUT_S = 120.0
 # The header naming the caller's user: the router's consistent hash reads it (only x-session-id ranks above it, so
 # the gateway removes a client's x-session-id) and the nodes' --user-header binds memory.user_id to it.
 USER_HEADER = "x-user-id"
-ROUTINGS = {"consistent-hash": "consistent_hash", "round-robin": "round_robin"}
+# --routing name -> the router's --policy: by user (the fleet's routing of requests that name one), by load (of the
+# requests that name none), and round robin (for comparison).
+ROUTINGS = {"consistent-hash": "consistent_hash", "power-of-two": "power_of_two", "round-robin": "round_robin"}
 # A worker that fails a request twice in a row (a refused connection, a 5xx) opens its circuit breaker: the same
 # request's next retry is routed over the ring of the others, so a node that dies costs its users no error. The
 # breaker retries the worker after 5 s, and a health check every 5 s notices one that came back.

@@ -1,10 +1,13 @@
 """deploy/: the Kubernetes manifests validate offline, and every port, probe, flag and environment name in them is
 one the programs accept; the memory service runs as replicas sharing PostgreSQL and an object store, whose in-cluster
 stand-ins the shared-state Secret names; the inference nodes run as a fleet behind vLLM's router, which finds them by
-label and hashes the header they check; the Dockerfiles lint clean and name only paths and programs that exist."""
+label and hashes the header they check, and a second router balances the requests naming no user by load, the
+gateway's route (deploy/gateway) telling the two apart; the Dockerfiles lint clean and name only paths and programs
+that exist."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -30,6 +33,17 @@ SHARED_STATE_SECRET = "memory-service-shared-state"
 # The in-cluster stores for trying it out: third-party images, not built from deploy/docker/.
 STORES = ("postgres", "seaweedfs")
 OBJECT_STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+GATEWAY_MANIFESTS = sorted((REPO_ROOT / "deploy" / "gateway").glob("*.yaml"))
+# Fields of the Gateway API's HTTPRoute (gateway.networking.k8s.io/v1, a CRD kubernetes-validate has no schema for)
+# that deploy/gateway may use, and the match types of its standard channel.
+HTTP_ROUTE_SPEC = {"parentRefs", "hostnames", "rules"}
+PARENT_REF = {"group", "kind", "namespace", "name", "sectionName", "port"}
+HTTP_ROUTE_RULE = {"name", "matches", "filters", "backendRefs", "timeouts", "retry", "sessionPersistence"}
+HTTP_ROUTE_MATCH = {"path", "headers", "queryParams", "method"}
+PATH_MATCH_TYPES = {"Exact", "PathPrefix", "RegularExpression"}
+HEADER_MATCH = {"type", "name", "value"}
+HEADER_MATCH_TYPES = {"Exact", "RegularExpression"}
+BACKEND_REF = {"group", "kind", "name", "namespace", "port", "weight", "filters"}
 
 
 def _objects_by_file() -> list[tuple[Path, dict]]:
@@ -314,14 +328,20 @@ def test_memory_service_pods_keep_only_caches_and_fit_them_in_their_memory_limit
     assert caches <= 0.6 * limit  # room for Python, ONNX Runtime, LanceDB and gRPC buffers
 
 
+def _selected_workload(service: dict) -> dict:
+    """The one workload whose pods the Service selects."""
+    (workload,) = [obj for obj in _objects() if obj["kind"] in WORKLOAD_KINDS and service["spec"]["selector"].items()
+                   <= obj["spec"]["template"]["metadata"]["labels"].items()]
+    return workload
+
+
 def test_services_route_to_named_container_ports():
-    workloads = {obj["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: obj
-                 for obj in _objects() if obj["kind"] in WORKLOAD_KINDS}
     services = [obj for obj in _objects() if obj["kind"] == "Service"]
     assert {service["metadata"]["name"] for service in services} >= {
-        "memory-service", "memory-service-headless", "inference-node", "inference-router", *STORES}
+        "memory-service", "memory-service-headless", "inference-node", "inference-router", "inference-router-by-load",
+        *STORES}
     for service in services:
-        workload = workloads[service["spec"]["selector"]["app.kubernetes.io/name"]]
+        workload = _selected_workload(service)
         (container,) = workload["spec"]["template"]["spec"]["containers"]
         ports = _container_ports(container)
         for port in service["spec"]["ports"]:
@@ -415,11 +435,11 @@ def test_inference_nodes_run_as_a_fleet_behind_a_headless_service_and_drain_when
     assert grace_s >= int(sleep_command[1]) + drain_s + 15  # the engine's teardown after the drain
 
 
-def _router() -> tuple[dict, Any]:
-    """The router's container and its flags as its own launcher parses them."""
+def _router(name: str = "inference-router") -> tuple[dict, Any]:
+    """A router's container and its flags as its own launcher parses them."""
     from vllm_router.launch_router import parse_router_args
 
-    container = _container("Deployment", "inference-router")
+    container = _container("Deployment", name)
     assert container["command"] == ["vllm-router"]
     return container, parse_router_args(container["args"])
 
@@ -446,6 +466,84 @@ def test_router_hashes_the_user_header_the_nodes_check_over_the_ready_nodes_it_f
     assert int(annotations["prometheus.io/port"]) == args.prometheus_port
     assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+
+
+def test_requests_naming_no_user_have_a_router_of_their_own_balancing_the_same_nodes_by_load():
+    """inference-router-by-load is inference-router but for its policy (power_of_two: the less busy node) and its pods'
+    component: the same nodes, discovery, failover, ports, probes, image and service account; each router's Service
+    reaches its own pods only, and both routers' pods are scraped under the one job inference-router."""
+    by_user, by_user_args = _router()
+    by_load, by_load_args = _router("inference-router-by-load")
+    assert (by_user_args.policy, by_load_args.policy) == ("consistent_hash", "power_of_two")
+    assert dataclasses.replace(by_load_args, policy=by_user_args.policy) == by_user_args
+    assert {key: value for key, value in by_load.items() if key != "args"} == {
+        key: value for key, value in by_user.items() if key != "args"}
+    user_pods, load_pods = (_find("Deployment", name)["spec"]["template"]
+                            for name in ("inference-router", "inference-router-by-load"))
+    assert load_pods["spec"]["serviceAccountName"] == user_pods["spec"]["serviceAccountName"]
+    assert load_pods["metadata"]["annotations"] == user_pods["metadata"]["annotations"]
+    assert load_pods["metadata"]["labels"]["app.kubernetes.io/name"] == "inference-router" == user_pods["metadata"][
+        "labels"]["app.kubernetes.io/name"]
+    assert _find("Deployment", "inference-router-by-load")["spec"]["replicas"] >= 2
+    for service_name in ("inference-router", "inference-router-by-load"):
+        assert _selected_workload(_find("Service", service_name))["metadata"]["name"] == service_name
+
+
+def _gateway_objects() -> list[dict]:
+    return [doc for path in GATEWAY_MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _matching_rule(rules: list[dict], path: str, headers: dict[str, str]) -> dict:
+    """The HTTPRoute rule a request matches: among the rules with a match the request satisfies, the one whose match
+    has the most header matches, then the first (the Gateway API's precedence for one path prefix)."""
+    def satisfied(match: dict) -> bool:
+        if not path.startswith(match["path"]["value"]):
+            return False
+        for header in match.get("headers", []):
+            value = {name.lower(): value for name, value in headers.items()}.get(header["name"].lower())
+            if value is None or not (re.fullmatch(header["value"], value) if header["type"] == "RegularExpression"
+                                     else value == header["value"]):
+                return False
+        return True
+
+    candidates = [(len(match.get("headers", [])), -index, rule) for index, rule in enumerate(rules)
+                  for match in rule["matches"] if satisfied(match)]
+    assert candidates, (path, headers)
+    return max(candidates, key=lambda candidate: candidate[:2])[2]
+
+
+def test_gateway_route_sends_requests_naming_a_user_to_the_user_router_and_the_rest_to_the_load_router():
+    """deploy/gateway's HTTPRoute, checked by its structure (kubernetes-validate knows no CRD): fields of the Gateway
+    API's v1 schema, backends that are Services of deploy/k8s on their http port, and a request with a non-empty user
+    header routed to the consistent-hash router, any other to the power_of_two one. Kept out of deploy/k8s, which
+    applies on clusters without the Gateway API."""
+    from harness.router import USER_HEADER
+
+    assert GATEWAY_MANIFESTS and not [obj for obj in _objects() if obj["apiVersion"].startswith("gateway.")]
+    (route,) = _gateway_objects()
+    assert (route["apiVersion"], route["kind"]) == ("gateway.networking.k8s.io/v1", "HTTPRoute")
+    assert route["metadata"]["namespace"] == NAMESPACE
+    spec = route["spec"]
+    assert set(spec) <= HTTP_ROUTE_SPEC and spec["parentRefs"]
+    assert all(set(reference) <= PARENT_REF and reference["name"] for reference in spec["parentRefs"])
+    for rule in spec["rules"]:
+        assert set(rule) <= HTTP_ROUTE_RULE
+        for match in rule["matches"]:
+            assert set(match) <= HTTP_ROUTE_MATCH and match["path"]["type"] in PATH_MATCH_TYPES
+            for header in match.get("headers", []):
+                assert set(header) <= HEADER_MATCH and header["type"] in HEADER_MATCH_TYPES
+        (backend,) = rule["backendRefs"]
+        assert set(backend) <= BACKEND_REF and backend.get("kind", "Service") == "Service"
+        assert backend.get("group", "") == "" and backend.get("namespace", NAMESPACE) == NAMESPACE
+        assert backend["port"] == _service_port(backend["name"], "http")
+
+    def policy(headers: dict[str, str], path: str = "/v1/chat/completions") -> str:
+        (backend,) = _matching_rule(spec["rules"], path, headers)["backendRefs"]
+        return _router(_selected_workload(_find("Service", backend["name"]))["metadata"]["name"])[1].policy
+
+    assert policy({USER_HEADER: "user-1"}) == policy({USER_HEADER.upper(): "u"}, "/v1/completions") == "consistent_hash"
+    for headers in ({}, {USER_HEADER: ""}, {"x-request-id": "r-1"}, {"x-session-id": "s-1"}):
+        assert policy(headers) == "power_of_two", headers
 
 
 def test_router_may_watch_the_pods_of_its_namespace_and_nothing_else():

@@ -72,6 +72,11 @@ def _scraped_workloads() -> dict[str, dict]:
             if workload["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"}
 
 
+def _job(workload: dict) -> str:
+    """The job label its pods are scraped under: their app.kubernetes.io/name (both routers' pods share one)."""
+    return workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+
+
 def _pod_monitors() -> list[dict]:
     return [doc for doc in yaml.safe_load_all(POD_MONITORS_FILE.read_text()) if doc]
 
@@ -259,26 +264,28 @@ def test_queries_name_only_the_scrape_jobs_and_real_grpc_codes():
 def test_pod_monitors_scrape_every_annotated_pod_on_its_metrics_port_under_its_job():
     monitors = _pod_monitors()
     scraped = _scraped_workloads()
-    assert {monitor["metadata"]["name"] for monitor in monitors} == set(scraped) == set(JOBS)
+    assert {monitor["metadata"]["name"] for monitor in monitors} == {_job(workload) for workload in scraped.values()} \
+        == set(JOBS)
     for monitor in monitors:
         name = monitor["metadata"]["name"]
         assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
         assert monitor["metadata"]["namespace"] == NAMESPACE
         assert set(monitor["spec"]) <= POD_MONITOR_SPEC, name
-        template = scraped[name]["spec"]["template"]
-        labels = template["metadata"]["labels"]
-        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
-        assert labels[monitor["spec"]["jobLabel"]] == name  # the job label the alerts select on
-        annotations = template["metadata"]["annotations"]
         (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
         assert set(endpoint) <= POD_METRICS_ENDPOINT, name
-        assert _container_ports(scraped[name])[endpoint["port"]] == int(annotations["prometheus.io/port"]), name
-        assert endpoint["path"] == annotations["prometheus.io/path"] == "/metrics", name
+        for workload in [workload for workload in scraped.values() if _job(workload) == name]:
+            template = workload["spec"]["template"]
+            labels = template["metadata"]["labels"]
+            assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+            assert labels[monitor["spec"]["jobLabel"]] == name  # the job label the alerts select on
+            annotations = template["metadata"]["annotations"]
+            assert _container_ports(workload)[endpoint["port"]] == int(annotations["prometheus.io/port"]), name
+            assert endpoint["path"] == annotations["prometheus.io/path"] == "/metrics", name
 
 
 def test_scrape_annotations_name_ports_the_pods_expose_and_the_worker_has_none():
     scraped = _scraped_workloads()
-    assert set(scraped) == set(JOBS)
+    assert {_job(workload) for workload in scraped.values()} == set(JOBS)
     for name, workload in scraped.items():
         annotations = workload["spec"]["template"]["metadata"]["annotations"]
         assert int(annotations["prometheus.io/port"]) in _container_ports(workload).values(), name
@@ -355,7 +362,8 @@ def test_plain_scrape_configuration_finds_the_annotated_pods_under_their_jobs(tm
     assert set(targets) == set(annotated)
     for name, found in targets.items():
         annotations = annotated[name]["spec"]["template"]["metadata"]["annotations"]
-        assert found == {(name, f"10.1.2.3:{annotations['prometheus.io/port']}", annotations["prometheus.io/path"])}
+        assert found == {(_job(annotated[name]), f"10.1.2.3:{annotations['prometheus.io/port']}",
+                          annotations["prometheus.io/path"])}
 
 
 def test_operator_objects_live_apart_from_deploy_k8s_and_kustomize_builds_them():

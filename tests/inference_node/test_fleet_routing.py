@@ -5,6 +5,8 @@ fact KV in that node's cache; round robin spreads each user over both nodes, who
 of the users, as a fleet's are) then miss. A node killed with kill -9 hands its users to the other without a client
 error and gets them back when it returns; a node stopped with SIGTERM finishes its request in flight while its users'
 new requests go to the other. The node keeps refusing a user header that names another user than memory.user_id.
+Requests that name no user go through a second router over the same nodes (power_of_two, as deploy/k8s's
+inference-router-by-load), which sends them to the less busy node and counts them under its policy.
 """
 
 from __future__ import annotations
@@ -262,31 +264,68 @@ def test_a_user_header_naming_another_user_is_refused_by_the_node_through_the_ro
     assert node == fleet.homes[user] and reply.summary["kv_facts"] == FACTS
 
 
-def test_requests_without_a_user_are_spread_by_their_request_id_and_counted_per_node(fleet) -> None:
-    """Without the user header the router hashes the next header it knows (x-request-id: a fresh one per request
-    spreads them), else the prompt; its per-worker counter and the nodes' own counts show where they went."""
-    router = fleet.route("consistent-hash")
-    before = router.metrics()
-    finished_before = [metric_total(_node_samples(node), "vllm:request_success_total") for node in fleet.nodes]
-    for index in range(16):
-        assert ask(router, "", mode="none", headers={"x-request-id": f"fleet-request-{index}"}).status == 200
-    after = router.metrics()
-    per_worker = [metric_total(after, "vllm_router_processed_requests_total", f'worker="{node.base_url}"')
-                  - metric_total(before, "vllm_router_processed_requests_total", f'worker="{node.base_url}"')
-                  for node in fleet.nodes]
-    assert sum(per_worker) == 16 and min(per_worker) >= 1, per_worker
-    deadline = time.monotonic() + 30
-    while (finished := [metric_total(_node_samples(node), "vllm:request_success_total") - finished_before[index]
-                        for index, node in enumerate(fleet.nodes)]) != per_worker:
-        assert time.monotonic() < deadline, (finished, per_worker)
-        time.sleep(0.2)
-    before = router.metrics()
-    for _ in range(4):  # no header at all: hashed on the prompt, the same prompt always on the same node
-        assert ask(router, "", mode="none", headers={}).status == 200
-    after = router.metrics()
-    assert sorted(metric_total(after, "vllm_router_processed_requests_total", f'worker="{node.base_url}"')
-                  - metric_total(before, "vllm_router_processed_requests_total", f'worker="{node.base_url}"')
-                  for node in fleet.nodes) == [0, 4]
+def _decisions(router: RouterProcess, policy: str, nodes: list[InferenceNodeProcess]) -> list[float]:
+    """The router's decisions under `policy` so far, per node."""
+    samples = router.metrics()
+    return [metric_total(samples, "vllm_router_policy_decisions_total", f'policy="{policy}",worker="{node.base_url}"')
+            for node in nodes]
+
+
+def _finished(nodes: list[InferenceNodeProcess]) -> list[float]:
+    return [metric_total(_node_samples(node), "vllm:request_success_total") for node in nodes]
+
+
+def test_requests_without_a_user_go_to_the_less_busy_node_and_the_router_counts_them_under_its_load_policy(
+        fleet) -> None:
+    """The router that takes the requests naming no user (power_of_two, beside the consistent-hash one, over the same
+    nodes) spreads them over idle nodes, sends them to the idle node while the other has a request in flight, and
+    counts every one under its policy; the nodes' own counts agree."""
+    router = RouterProcess([node.base_url for node in fleet.nodes], fleet.work_dir, "power-of-two",
+                           *FAILOVER_FLAGS).start()
+    try:
+        decided_before, finished_before = _decisions(router, "power_of_two", fleet.nodes), _finished(fleet.nodes)
+        for _ in range(16):  # both nodes idle: the pick between them is random
+            assert ask(router, "", mode="none", headers={}).status == 200
+        idle_spread = [after - before for after, before in
+                       zip(_decisions(router, "power_of_two", fleet.nodes), decided_before, strict=True)]
+        assert sum(idle_spread) == 16 and min(idle_spread) >= 1, idle_spread
+        deadline = time.monotonic() + 30
+        while [after - before for after, before in zip(_finished(fleet.nodes), finished_before, strict=True)] != \
+                idle_spread:
+            assert time.monotonic() < deadline, (_finished(fleet.nodes), finished_before, idle_spread)
+            time.sleep(0.2)
+
+        running_before = [metric_total(_node_samples(node), "vllm:num_requests_running") for node in fleet.nodes]
+        assert running_before == [0, 0], running_before
+        long_reply: list[Reply] = []
+        in_flight = threading.Thread(target=lambda: long_reply.append(
+            ask(router, "", mode="none", headers={}, max_tokens=800)))
+        in_flight.start()
+        deadline = time.monotonic() + 60
+        while not (busy := [index for index, node in enumerate(fleet.nodes)
+                            if metric_total(_node_samples(node), "vllm:num_requests_running") >= 1]):
+            assert time.monotonic() < deadline, "the long request did not start"
+            time.sleep(0.05)
+        (busy_node,) = busy
+        decided_before = _decisions(router, "power_of_two", fleet.nodes)
+        sent = sent_while_busy = 0  # the short requests, and those answered while the long one was still running
+        while sent < 12 and in_flight.is_alive():
+            assert ask(router, "", mode="none", headers={}).status == 200
+            sent += 1
+            sent_while_busy += in_flight.is_alive()
+        in_flight.join(timeout=300)
+        busy_spread = [after - before for after, before in
+                       zip(_decisions(router, "power_of_two", fleet.nodes), decided_before, strict=True)]
+        assert long_reply and long_reply[0].status == 200
+        assert sent_while_busy >= 6, "the long request ended before the short ones could be measured"
+        # Two nodes: the policy compares both, and the busy one has a request in flight the idle one does not.
+        assert sum(busy_spread) == sent, busy_spread
+        assert busy_spread[1 - busy_node] >= sent_while_busy, (busy_spread, busy_node, sent_while_busy)
+        print(f"\nrequests without a user, both nodes idle: {idle_spread}; node {busy_node} busy: {busy_spread}")
+        print("\n".join(f"{name} {value:g}" for name, value in router.metrics().items()
+                        if name.startswith(("vllm_router_policy_decisions_total", "vllm_router_processed_requests"))))
+    finally:
+        router.stop()
 
 
 def test_a_node_killed_hands_its_users_to_the_other_and_gets_them_back_when_it_returns(fleet) -> None:
