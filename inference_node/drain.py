@@ -2,7 +2,7 @@
 SIGINT), the node's readiness (`GET /health`) and every new POST are answered 503, so the router and Kubernetes send
 new requests to other nodes, while vLLM finishes the requests in flight (`--shutdown-timeout`).
 
-Without it vLLM 0.26 keeps admitting requests while it drains, and one that arrives after its engine has left its
+Without it vLLM keeps admitting requests while it drains, and one that arrives after its engine has left its
 loop, before the HTTP server closes, waits for an answer that never comes (deploy/README.md, "Draining a node").
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from collections.abc import Callable
 from types import FrameType
 
@@ -37,8 +38,12 @@ class StopWatch:
         a signal through the wakeup fd that Python's C-level handler writes, whatever the Python-level handler)."""
         if self._installed:
             return
+        if threading.current_thread() is not threading.main_thread():
+            LOGGER.warning("not the main thread: a stopping node will not refuse new requests")
+            return
         for stop_signal in STOP_SIGNALS:
             signal.signal(stop_signal, self._chained(signal.getsignal(stop_signal)))
+            signal.siginterrupt(stop_signal, False)  # as the loop had it: a signal does not interrupt system calls
         self._installed = True
 
     def _chained(self, previous: _Handler) -> Callable[[int, FrameType | None], None]:

@@ -272,9 +272,7 @@ class MemoryMiddleware:
         if scope["type"] == "lifespan":  # the server is up, its own stop-signal handlers registered
             self._stop_watch.install()
         elif scope["type"] == "http" and self._stop_watch.refuses(scope.get("method"), scope.get("path")):
-            STOPPING_REFUSED.inc()
-            await _send_error(send, 503, "the node is stopping: send the request to another node", None,
-                              _request_id(scope), close=True)
+            await _refuse_stopping(send, _request_id(scope))
             return
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
@@ -293,6 +291,9 @@ class MemoryMiddleware:
             LOGGER.exception("memory middleware failed: request %s, POST %s", request_id, scope.get("path"))
             await _send_error(send, 500, f"the memory middleware failed on this request (request id {request_id})",
                               None, request_id)
+            return
+        if self._stop_watch.stopping:  # told to stop while its memory was being fetched: vLLM may be gone already
+            await _refuse_stopping(send, request_id)
             return
         await self.app(*forward)
 
@@ -469,6 +470,12 @@ def _replay(body: bytes, receive: Callable) -> Callable:
         return await receive()
 
     return replay_receive
+
+
+async def _refuse_stopping(send: Callable, request_id: str) -> None:
+    STOPPING_REFUSED.inc()
+    await _send_error(send, 503, "the node is stopping: send the request to another node", None, request_id,
+                      close=True)
 
 
 async def _send_error(send: Callable, status: int, message: str, param: str | None, request_id: str, *,

@@ -406,11 +406,12 @@ INFERENCE_NODE = Dashboard(
                   ratio=True, thresholds=((0.01, ORANGE), (0.05, RED)), lines=True),
         )),
         Row("Router", (
-            Panel("Requests per node",
-                  "Requests vLLM's router sent to each node, per second (consistent hashing on the user header: a "
-                  "user's requests go to one node, so an uneven split is the users' own).", "reqps",
-                  (Query(f'sum by (worker) (rate(vllm_router_processed_requests_total{{job="inference-router"}}'
-                         f'[{RATE}]))', "{{worker}}"),)),
+            Panel("Requests per node, by routing",
+                  "Requests the routers sent to each node, per second, by policy: consistent_hash (requests naming "
+                  "a user: a user's requests go to one node, so an uneven split is the users' own) and power_of_two "
+                  "(requests naming none, to the less busy node).", "reqps",
+                  (Query(f'sum by (policy, worker) (rate(vllm_router_policy_decisions_total{{job="inference-router"}}'
+                         f'[{RATE}]))', "{{policy}} {{worker}}"),)),
             Panel("Nodes the router admits",
                   "Per node: healthy by the router's health checks (1) and its circuit breaker closed (0; 1: open, "
                   "2: half open). A node out of the ring has its users hashed onto the others.", "short",

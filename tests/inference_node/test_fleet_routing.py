@@ -51,6 +51,7 @@ QUESTION = "def answer(question):"
 MODEL = "tiny"  # the nodes' --served-model-name
 DRAIN_S = 60  # vLLM's --shutdown-timeout: how long a stopping node finishes its requests in flight
 MEASURED_ROUNDS = 3
+LONG_TOKENS = 900  # a request that keeps its node busy for seconds (the nodes' --max-model-len is 1024)
 
 
 def _facts(user: str) -> list[str]:
@@ -80,10 +81,11 @@ class Reply:
 
 
 def ask(router: RouterProcess | InferenceNodeProcess, user: str, *, memory_user: str | None = None, mode: str = "kv",
-        headers: dict[str, str] | None = None, max_tokens: int = 2) -> Reply:
+        headers: dict[str, str] | None = None, max_tokens: int = 2, ignore_eos: bool = False) -> Reply:
     """A completion through the router (or straight to a node) with the user header naming `user` (unless `headers`
     replace it)."""
-    body: dict = {"model": MODEL, "prompt": QUESTION, "max_tokens": max_tokens, "temperature": 0}
+    body: dict = {"model": MODEL, "prompt": QUESTION, "max_tokens": max_tokens, "temperature": 0,
+                  "ignore_eos": ignore_eos}
     if mode != "none":
         body["memory"] = {"user_id": memory_user or user, "top_k": FACTS, "mode": mode}
     request = urllib.request.Request(
@@ -299,7 +301,7 @@ def test_requests_without_a_user_go_to_the_less_busy_node_and_the_router_counts_
         assert running_before == [0, 0], running_before
         long_reply: list[Reply] = []
         in_flight = threading.Thread(target=lambda: long_reply.append(
-            ask(router, "", mode="none", headers={}, max_tokens=800)))
+            ask(router, "", mode="none", headers={}, max_tokens=LONG_TOKENS, ignore_eos=True)))
         in_flight.start()
         deadline = time.monotonic() + 60
         while not (busy := [index for index, node in enumerate(fleet.nodes)
@@ -317,7 +319,7 @@ def test_requests_without_a_user_go_to_the_less_busy_node_and_the_router_counts_
         busy_spread = [after - before for after, before in
                        zip(_decisions(router, "power_of_two", fleet.nodes), decided_before, strict=True)]
         assert long_reply and long_reply[0].status == 200
-        assert sent_while_busy >= 6, "the long request ended before the short ones could be measured"
+        assert sent_while_busy >= 3, ("the long request ended before the short ones could be measured", long_reply)
         # Two nodes: the policy compares both, and the busy one has a request in flight the idle one does not.
         assert sum(busy_spread) == sent, busy_spread
         assert busy_spread[1 - busy_node] >= sent_while_busy, (busy_spread, busy_node, sent_while_busy)
@@ -390,7 +392,7 @@ def test_a_stopping_node_finishes_its_request_in_flight_and_its_users_go_to_the_
     user = next(user for user, home in fleet.homes.items() if home == 1)
     long_reply: list[Reply] = []
     in_flight = threading.Thread(target=lambda: long_reply.append(
-        ask(router, user, mode="off", max_tokens=800)))
+        ask(router, user, mode="off", max_tokens=LONG_TOKENS, ignore_eos=True)))
     in_flight.start()
     deadline = time.monotonic() + 60
     while metric_total(_node_samples(stopping), "vllm:num_requests_running") < 1:
@@ -408,5 +410,5 @@ def test_a_stopping_node_finishes_its_request_in_flight_and_its_users_go_to_the_
     in_flight.join(timeout=DRAIN_S)
     assert [reply.status for reply in replies] == [200] * len(replies)
     assert all(reply.summary["kv_facts"] == FACTS for reply in replies)
-    assert long_reply and long_reply[0].status == 200 and long_reply[0].completion_tokens == 800
+    assert long_reply and long_reply[0].status == 200 and long_reply[0].completion_tokens == LONG_TOKENS
     assert stopping.process.wait(timeout=DRAIN_S + 60) == 0
