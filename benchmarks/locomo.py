@@ -429,7 +429,7 @@ COMPARED_AT = (20, 50)  # the recall@k each mode is compared with the first at
 
 
 def ranked_sources(stub: memory_pb2_grpc.MemoryServiceStub, conversation: LocomoConversation,
-                   question: LocomoQuestion, mode: str, k: int) -> list[str]:
+                   question: LocomoQuestion, mode: str, k: int) -> list[tuple[str, ...]]:
     """The turns each of the user's top-k facts for the question cites, best first."""
     response = stub.SearchFacts(pb.SearchFactsRequest(user_id=conversation.sample_id, query=question.question,
                                                       top_k=k, retrieval=RETRIEVAL_MODES[mode]))

@@ -193,7 +193,8 @@ def test_recall_per_mode_reports_the_ceiling_beside_recall_per_category() -> Non
     assert summary["hybrid"]["1"]["ceiling"] == 0.75 and summary["hybrid"]["overall"]["ceiling"] == 0.5
     report = recall_report(summary, ["vector", "hybrid"], (20, 50), ["conv-a"], "turns")
     assert "facts: turns" in report
-    assert "| hybrid | 1 multi-hop | 2 | 0.500 | 0.500 | 0.000 [0.000, 0.000] | 0.000 [0.000, 0.000] | 0.750 |" in report
+    assert ("| hybrid | 1 multi-hop | 2 | 0.500 | 0.500 | 0.000 [0.000, 0.000] | 0.000 [0.000, 0.000] | 0.750 |"
+            in report)
 
 
 def test_quality_summary_reports_the_ceiling_and_leaves_rows_cached_without_it_out() -> None:
