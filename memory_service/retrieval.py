@@ -4,11 +4,11 @@ and a date the query names matched against the facts' timestamps.
 A fact's hybrid score is VECTOR_WEIGHT x its cosine + (1 - VECTOR_WEIGHT) x its BM25 score over the best BM25 score
 of the query (0 where it shares no word with the query), plus DATE_MATCH_BONUS where the query names a month or a
 year (`named_time`: "in June", "in 2023", "on 8 May, 2023"; not the verbs "may" and "march") and the fact's
-timestamp falls in it. Each ranking
-contributes its best `candidates(top_k)` facts; a keyword candidate outside the vector candidates counts the lowest
-candidate cosine. In every mode, scores equal to SCORE_DECIMALS decimals tie, broken by fact_id (`rank_key`), so
-that every replica answers a query over the same facts with the same ranks, whatever order its arithmetic took. The
-weights and the rule were chosen on LoCoMo (benchmarks/RESULTS.md, "Retrieval modes on LoCoMo")."""
+timestamp falls in it. Each ranking contributes its best `candidates(top_k)` facts; a keyword candidate outside the
+vector candidates counts the lowest candidate cosine. In every mode, scores equal to SCORE_DECIMALS decimals tie,
+broken by fact_id (`rank_key`), so that every replica answers a query over the same facts with the same ranks,
+whatever order its arithmetic took. The weights and the rule were chosen on LoCoMo (benchmarks/RESULTS.md, "Retrieval
+modes on LoCoMo")."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "augu
            "november", "december")
 _MONTH = re.compile(r"\b(" + "|".join(_MONTHS) + r")\b", re.IGNORECASE)
 _ALSO_VERBS = ("may", "march")
-_SENTENCE_OPENS = re.compile(r"(?:^|[.!?])[\s\"'(]*$")
 _NUMBER_FOLLOWS = re.compile(r"\s+\d")
 _YEAR = re.compile(r"\b(19\d\d|20\d\d)\b")
 
@@ -62,9 +61,10 @@ def named_time(query: str) -> NamedTime | None:
 def _named_month(query: str) -> int | None:
     for match in _MONTH.finditer(query):
         name = match.group(1)
+        before = query[:match.start()].rstrip(" \t\n\"'(")
+        opens_sentence = not before or before.endswith((".", "!", "?"))
         if name.lower() in _ALSO_VERBS and (
-                not name[0].isupper()
-                or (_SENTENCE_OPENS.search(query[:match.start()]) and not _NUMBER_FOLLOWS.match(query, match.end()))):
+                not name[0].isupper() or (opens_sentence and not _NUMBER_FOLLOWS.match(query, match.end()))):
             continue
         return _MONTHS.index(name.lower()) + 1
     return None
