@@ -2,17 +2,18 @@
 
     python -m benchmarks.locomo [--data ../shared/data/locomo/locomo-dev6.json] [--conversations 6]
         [--per-category 6] [--k 50] [--windows 0 5 20 50 -1] [--tails 1 2 5 10] [--tail-window 20]
-        [--fp8-window 50] [--order-window 50] [--retrieval vector|keyword|hybrid]
+        [--fp8-window 50] [--order-window 50] [--retrieval vector|keyword|hybrid] [--facts observations|turns]
     python -m benchmarks.locomo --recall-only --retrieval vector keyword hybrid [--per-category 0]
 
 --recall-only measures retrieval alone, in every mode given (`evaluate_recall`); otherwise the one mode
 given (default: the service's) retrieves the facts of every variant. What a full run does:
 
-Ingests LoCoMo conversations (turns, and observation facts with their source turns) through the real gRPC API
-into a real memory service, runs the real precompute worker once per encoding (Context-Window Encoding with
-w preceding turns, -1 = all; float32 and fp8 storage), then for each question of a stratified subset
-(categories 1-4):
-- retrieval recall@k of the evidence turns (a retrieved fact covers its source turn), k = 5, 10, 20, 50;
+Ingests LoCoMo conversations (turns, and facts: LoCoMo's observations with their source turns, or with
+--facts turns every turn as a fact) through the real gRPC API into a real memory service, runs the real
+precompute worker once per encoding (Context-Window Encoding with w preceding turns, -1 = all; float32 and fp8
+storage), then for each question of a stratified subset (categories 1-4):
+- retrieval recall@k of the evidence turns (a retrieved fact covers every turn it cites), k = 5, 10, 20, 50, beside
+  its ceiling: the share of the evidence turns that some fact cites at all;
 - the gold answer's teacher-forced NLL per token under `text` (the serving prompt prefilled) and under `kv`
   (the same prompt with its memory prefix injected: the node's own staging and Chunked-RoPE compose over the
   KV fetched from the memory service, all but the last m facts with a recomputed tail of m); lower is better;
@@ -49,6 +50,7 @@ from tqdm import tqdm
 from benchmarks.locomo_data import (
     CATEGORIES,
     DEFAULT_LOCOMO,
+    FACT_SETS,
     LocomoConversation,
     LocomoQuestion,
     load_locomo,
@@ -112,11 +114,12 @@ def token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def recall_at(ranked_sources: Sequence[str], evidence: Sequence[str], k: int) -> float | None:
-    """Share of the evidence turns that the top-k facts' source turns cover (None without evidence)."""
+def recall_at(ranked_sources: Sequence[Sequence[str]], evidence: Sequence[str], k: int) -> float | None:
+    """Share of the evidence turns that the top-k facts cite (ranked_sources[i]: the turns the i-th fact cites;
+    None without evidence)."""
     if not evidence:
         return None
-    covered = set(ranked_sources[:k])
+    covered = {turn for sources in ranked_sources[:k] for turn in sources}
     return sum(turn in covered for turn in evidence) / len(evidence)
 
 
@@ -335,9 +338,8 @@ def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversati
         retrieval=retrieval))
     facts = list(response.facts)
     seq_of_turn = {turn.turn_id: turn.seq for turn in conversation.turns}
-    source_of_fact = {fact.fact_id: fact.source_turn_id for fact in conversation.facts}
-    seq_of_fact = {fact_id: seq_of_turn.get(source, 0) for fact_id, source in source_of_fact.items()}
-    ranked_sources = [source_of_fact.get(fact.fact_id, "") for fact in sorted(facts, key=lambda f: f.rank)]
+    seq_of_fact = {fact.fact_id: seq_of_turn.get(fact.source_turn_id, 0) for fact in conversation.facts}
+    ranked_sources = [conversation.fact_sources.get(fact.fact_id, ()) for fact in sorted(facts, key=lambda f: f.rank)]
     prompt_ids, plan = evaluator.prompt(facts, response.header_content_id, question.question, profile_id, user_id,
                                         order_key(variant.order, seq_of_fact), variant.tail)
     prompt_key = tuple(prompt_ids)
@@ -350,6 +352,7 @@ def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversati
             "question": question.question, "gold": question.answer, "prompt_tokens": len(prompt_ids),
             "injected_tokens": end,
             "recall": {str(at): recall_at(ranked_sources, question.evidence, at) for at in RECALL_AT},
+            "ceiling": conversation.coverage(question),
             "text_nll": text_nll, "kv_nll": kv_nll, "text_answer": text_answer, "kv_answer": kv_answer,
             "text_f1": token_f1(text_answer, question.answer), "kv_f1": token_f1(kv_answer, question.answer)}
 
@@ -357,7 +360,7 @@ def score_question(evaluator: Evaluator, stub, profile: pb.KvProfile, conversati
 def evaluate(args: argparse.Namespace) -> dict:
     from demo.smollm2 import build_smollm2
     from harness.memory_service import MemoryServiceProcess
-    conversations = load_locomo(args.data)[: args.conversations]
+    conversations = load_locomo(args.data, fact_set=args.facts)[: args.conversations]
     questions = {c.sample_id: stratified_subset(c.questions, args.per_category, args.seed) for c in conversations}
     variants = build_variants(args.windows, args.fp8_window, args.order_window, args.tails, args.tail_window)
     model_dir = (args.model or build_smollm2()).resolve()
@@ -391,12 +394,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     rows = [row for row in cache.rows.values() if row["question_id"] in chosen]
     return {"variants": [asdict(v) for v in variants], "summary": summarize(rows, variants), "rows": len(rows),
             "conversations": [c.sample_id for c in conversations], "k": args.k, "model": model_dir.name,
-            "retrieval": args.retrieval[0] if args.retrieval else DEFAULT_RETRIEVAL}
+            "retrieval": args.retrieval[0] if args.retrieval else DEFAULT_RETRIEVAL, "facts": args.facts}
 
 
 def summarize(rows: list[dict], variants: list[Variant]) -> dict:
     """Per variant, per category and overall: mean NLLs and F1s, kv - text for both with its 95% paired bootstrap
-    interval, recall@k."""
+    interval, recall@k and its ceiling (rows cached before the ceiling was recorded count nowhere in it)."""
     summary: dict[str, dict] = {}
     for variant in variants:
         mine = [row for row in rows if row["variant"] == variant.name]
@@ -405,6 +408,7 @@ def summarize(rows: list[dict], variants: list[Variant]) -> dict:
         for group, members in groups.items():
             recall = {k: mean([r["recall"][k] for r in members if r["recall"][k] is not None]) for k in
                       map(str, RECALL_AT)}
+            ceiling = mean([r["ceiling"] for r in members if r.get("ceiling") is not None])
             nll_gaps = [r["kv_nll"] - r["text_nll"] for r in members]
             f1_gaps = [r["kv_f1"] - r["text_f1"] for r in members]
             summary[variant.name][group] = {
@@ -412,7 +416,7 @@ def summarize(rows: list[dict], variants: list[Variant]) -> dict:
                 "kv_nll": mean([r["kv_nll"] for r in members]), "gap": mean(nll_gaps),
                 "gap_ci": paired_bootstrap(nll_gaps), "text_f1": mean([r["text_f1"] for r in members]),
                 "kv_f1": mean([r["kv_f1"] for r in members]), "f1_gap": mean(f1_gaps),
-                "f1_gap_ci": paired_bootstrap(f1_gaps), "recall": recall}
+                "f1_gap_ci": paired_bootstrap(f1_gaps), "recall": recall, "ceiling": ceiling}
     return summary
 
 
@@ -425,17 +429,17 @@ COMPARED_AT = (20, 50)  # the recall@k each mode is compared with the first at
 
 
 def ranked_sources(stub: memory_pb2_grpc.MemoryServiceStub, conversation: LocomoConversation,
-                   question: LocomoQuestion, mode: str, k: int) -> list[str]:
-    """The source turns of the user's top-k facts for the question, best first."""
-    source_of_fact = {fact.fact_id: fact.source_turn_id for fact in conversation.facts}
+                   question: LocomoQuestion, mode: str, k: int) -> list[tuple[str, ...]]:
+    """The turns each of the user's top-k facts for the question cites, best first."""
     response = stub.SearchFacts(pb.SearchFactsRequest(user_id=conversation.sample_id, query=question.question,
                                                       top_k=k, retrieval=RETRIEVAL_MODES[mode]))
-    return [source_of_fact.get(scored.fact.fact_id, "") for scored in response.facts]
+    return [conversation.fact_sources.get(scored.fact.fact_id, ()) for scored in response.facts]
 
 
 def measure_recall(stub: memory_pb2_grpc.MemoryServiceStub, work: Sequence[tuple[LocomoConversation, LocomoQuestion]],
                    modes: Sequence[str], recall_at_k: Sequence[int]) -> list[dict]:
-    """One row per (mode, question with evidence): its category and recall at each k."""
+    """One row per (mode, question with evidence): its category, recall at each k and its ceiling (the share of its
+    evidence turns that some fact cites)."""
     rows = []
     for conversation, question in tqdm(work, desc="questions", unit="q"):
         if not question.evidence:
@@ -443,13 +447,15 @@ def measure_recall(stub: memory_pb2_grpc.MemoryServiceStub, work: Sequence[tuple
         for mode in modes:
             sources = ranked_sources(stub, conversation, question, mode, max(recall_at_k))
             rows.append({"mode": mode, "question_id": question.question_id, "category": question.category,
-                         "recall": {str(k): recall_at(sources, question.evidence, k) for k in recall_at_k}})
+                         "recall": {str(k): recall_at(sources, question.evidence, k) for k in recall_at_k},
+                         "ceiling": conversation.coverage(question)})
     return rows
 
 
 def summarize_recall(rows: list[dict], modes: Sequence[str], recall_at_k: Sequence[int]) -> dict:
-    """Per mode and category (and overall): questions, mean recall@k, and against the first mode the mean paired
-    difference at COMPARED_AT with its 95% bootstrap interval."""
+    """Per mode and category (and overall): questions, mean recall@k, its ceiling (mean share of the evidence turns
+    some fact cites), and against the first mode the mean paired difference at COMPARED_AT with its 95% bootstrap
+    interval."""
     baseline = {row["question_id"]: row for row in rows if row["mode"] == modes[0]}
     summary: dict[str, dict] = {}
     for mode in modes:
@@ -458,7 +464,8 @@ def summarize_recall(rows: list[dict], modes: Sequence[str], recall_at_k: Sequen
         summary[mode] = {}
         for group, members in groups.items():
             entry: dict = {"questions": len(members),
-                           "recall": {str(k): mean([r["recall"][str(k)] for r in members]) for k in recall_at_k}}
+                           "recall": {str(k): mean([r["recall"][str(k)] for r in members]) for k in recall_at_k},
+                           "ceiling": mean([r["ceiling"] for r in members])}
             for k in COMPARED_AT:
                 gaps = [r["recall"][str(k)] - baseline[r["question_id"]]["recall"][str(k)] for r in members]
                 entry[f"vs_first@{k}"] = (mean(gaps), paired_bootstrap(gaps))
@@ -466,30 +473,34 @@ def summarize_recall(rows: list[dict], modes: Sequence[str], recall_at_k: Sequen
     return summary
 
 
-def recall_report(summary: dict, modes: Sequence[str], recall_at_k: Sequence[int], conversations: list[str]) -> str:
-    lines = [f"# LoCoMo retrieval recall of the evidence turns per retrieval mode ({', '.join(conversations)})", "",
+def recall_report(summary: dict, modes: Sequence[str], recall_at_k: Sequence[int], conversations: list[str],
+                  fact_set: str = "observations") -> str:
+    lines = [f"# LoCoMo retrieval recall of the evidence turns per retrieval mode, facts: {fact_set} "
+             f"({', '.join(conversations)})", "",
+             "Ceiling: the share of the evidence turns that some fact cites, which no retrieval of these facts can "
+             "pass. "
              f"Each mode against {modes[0]}: mean paired difference of recall@k over the same questions, with its 95% "
              "bootstrap interval.", "",
              "| mode | category | questions | " + " | ".join(f"recall@{k}" for k in recall_at_k) + " | "
-             + " | ".join(f"@{k} vs {modes[0]} [95% CI]" for k in COMPARED_AT) + " |",
-             "|---|---|---:|" + "---:|" * len(recall_at_k) + "---|" * len(COMPARED_AT)]
+             + " | ".join(f"@{k} vs {modes[0]} [95% CI]" for k in COMPARED_AT) + " | ceiling |",
+             "|---|---|---:|" + "---:|" * len(recall_at_k) + "---|" * len(COMPARED_AT) + "---:|"]
     for mode in modes:
         for group, row in summary[mode].items():
             label = f"{group} {CATEGORIES[int(group)]}" if group != "overall" else "**overall**"
             gaps = [f"{fmt(row[f'vs_first@{k}'][0], 3)} {interval(row[f'vs_first@{k}'][1], 3)}" for k in COMPARED_AT]
             lines.append(f"| {mode} | {label} | {row['questions']} | "
                          + " | ".join(fmt(row["recall"][str(k)], 3) for k in recall_at_k) + " | "
-                         + " | ".join(gaps) + " |")
+                         + " | ".join(gaps) + f" | {fmt(row['ceiling'], 3)} |")
     return "\n".join(lines) + "\n"
 
 
 def evaluate_recall(data: Path, conversations_count: int, per_category: int | None, seed: int, modes: Sequence[str],
-                    recall_at_k: Sequence[int], output: Path) -> tuple[dict, str]:
-    """Ingests the conversations into a fresh memory service under `output` and measures every mode: (result,
-    markdown report)."""
+                    recall_at_k: Sequence[int], output: Path, fact_set: str = "observations") -> tuple[dict, str]:
+    """Ingests the conversations (their `fact_set` as facts: locomo_data.load_locomo) into a fresh memory service
+    under `output` and measures every mode: (result, markdown report)."""
     from harness.memory_service import MemoryServiceProcess
 
-    conversations = load_locomo(data)[:conversations_count]
+    conversations = load_locomo(data, fact_set=fact_set)[:conversations_count]
     work = [(c, q) for c in conversations for q in stratified_subset(c.questions, per_category, seed)]
     output.mkdir(parents=True, exist_ok=True)
     service = MemoryServiceProcess(output / "memory-service", output / "memory_service.log").start()
@@ -502,8 +513,8 @@ def evaluate_recall(data: Path, conversations_count: int, per_category: int | No
         service.stop()
     summary = summarize_recall(rows, modes, recall_at_k)
     names = [c.sample_id for c in conversations]
-    result = {"modes": list(modes), "conversations": names, "summary": summary, "rows": rows}
-    return result, recall_report(summary, modes, recall_at_k, names)
+    result = {"modes": list(modes), "facts": fact_set, "conversations": names, "summary": summary, "rows": rows}
+    return result, recall_report(summary, modes, recall_at_k, names, fact_set)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -520,7 +531,8 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     summary = result["summary"]
     names = list(summary)
     lines = [f"# LoCoMo quality: memory as injected KV vs as text ({result['model']}, k={result['k']}, "
-             f"retrieval: {result.get('retrieval', DEFAULT_RETRIEVAL)})", "",
+             f"retrieval: {result.get('retrieval', DEFAULT_RETRIEVAL)}, facts: {result.get('facts', 'observations')})",
+             "",
              (f"Conversations {', '.join(result['conversations'])}; {result['rows']} (variant, question) results. "
               "NLL: the gold answer's teacher-forced negative log-likelihood per token (nats; lower is better). "
               "F1: greedy answers' token F1 against gold. kv - text with its 95% paired bootstrap interval "
@@ -542,14 +554,16 @@ def markdown_report(result: dict, plots: list[str]) -> str:
                      for group in [*map(str, CATEGORIES), "overall"]]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     first = summary[names[0]]
-    lines += ["", "Retrieval recall of the evidence turns (same retrieval for every variant):", "",
-              "| category | questions | " + " | ".join(f"recall@{k}" for k in RECALL_AT) + " |",
-              "|---|---:|" + "---:|" * len(RECALL_AT)]
+    lines += ["", "Retrieval recall of the evidence turns (same retrieval for every variant), beside its ceiling (the "
+              "share of the evidence turns that some fact cites):", "",
+              "| category | questions | " + " | ".join(f"recall@{k}" for k in RECALL_AT) + " | ceiling |",
+              "|---|---:|" + "---:|" * (len(RECALL_AT) + 1)]
     for group in [*map(str, CATEGORIES), "overall"]:
         row = first[group]
         label = f"{group} {CATEGORIES[int(group)]}" if group != "overall" else "overall"
         lines.append(f"| {label} | {row['questions']} | "
-                     + " | ".join(fmt(row["recall"][str(k)], 2) for k in RECALL_AT) + " |")
+                     + " | ".join(fmt(row["recall"][str(k)], 2) for k in RECALL_AT)
+                     + f" | {fmt(row.get('ceiling', math.nan), 2)} |")
     lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots], ""]
     return "\n".join(lines)
 
@@ -613,6 +627,8 @@ def main() -> None:
     parser.add_argument("--retrieval", nargs="+", choices=list(RETRIEVAL_MODES), default=[],
                         help="retrieval mode (with --recall-only: each mode measured, the first the baseline)")
     parser.add_argument("--recall-only", action="store_true", help="retrieval recall alone, no model")
+    parser.add_argument("--facts", choices=FACT_SETS, default="observations",
+                        help="the facts ingested: LoCoMo's observations, or every dialogue turn as a fact")
     args = parser.parse_args()
     args.per_category = args.per_category or None
     args.fp8_window = None if args.fp8_window == -2 else args.fp8_window
@@ -623,7 +639,7 @@ def main() -> None:
     if args.recall_only:
         modes = args.retrieval or list(RETRIEVAL_MODES)
         recall, report = evaluate_recall(args.data, args.conversations, args.per_category, args.seed, modes,
-                                         RECALL_AT, args.output)
+                                         RECALL_AT, args.output, args.facts)
         (args.output / "recall.json").write_text(json.dumps(recall, indent=2))
         (args.output / "recall.md").write_text(report)
         print(report)

@@ -2,24 +2,35 @@
 user's facts, never on other users' (whose word frequencies a store-wide index would disclose through the scores, and
 let sway the weights) nor on the order of rows in the store.
 
-Words: lower-cased runs of letters and digits, English stop words out, no stemming (bm25s offers none of its own)."""
+Words: lower-cased runs of letters and digits, English stop words out, each reduced to its Snowball (Porter 2)
+English stem, so that "hiking" in a query finds "hike" in a fact."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import bm25s
 import numpy as np
+import Stemmer
 
 _K1 = 1.2  # Lucene's defaults, as LanceDB's full-text index had them
 _B = 0.75
 _WORD = r"(?u)\b\w+\b"
+_STEMMERS = threading.local()  # a PyStemmer stemmer is not thread-safe: one per thread
+
+
+def _stemmer() -> Stemmer.Stemmer:
+    stemmer: Stemmer.Stemmer | None = getattr(_STEMMERS, "english", None)
+    if stemmer is None:
+        stemmer = _STEMMERS.english = Stemmer.Stemmer("english")
+    return stemmer
 
 
 def words(texts: Sequence[str]) -> list[list[str]]:
-    """Each text's indexed words, in order."""
+    """Each text's indexed words (stems), in order."""
     tokenized: list[list[str]] = bm25s.tokenize(list(texts), lower=True, stopwords="en", token_pattern=_WORD,
-                                                return_ids=False, show_progress=False)
+                                                stemmer=_stemmer(), return_ids=False, show_progress=False)
     return tokenized
 
 

@@ -3,11 +3,12 @@ and a date the query names matched against the facts' timestamps.
 
 A fact's hybrid score is VECTOR_WEIGHT x its cosine + (1 - VECTOR_WEIGHT) x its BM25 score over the best BM25 score
 of the query (0 where it shares no word with the query), plus DATE_MATCH_BONUS where the query names a month or a
-year (`named_time`: "in June", "in 2023", "on 8 May, 2023") and the fact's timestamp falls in it. Each ranking
-contributes its best `candidates(top_k)` facts; a keyword candidate outside the vector candidates counts the lowest
-candidate cosine. In every mode, scores equal to SCORE_DECIMALS decimals tie, broken by fact_id (`rank_key`), so
-that every replica answers a query over the same facts with the same ranks, whatever order its arithmetic took. The
-weights and the rule were chosen on LoCoMo (benchmarks/RESULTS.md, "Retrieval modes on LoCoMo")."""
+year (`named_time`: "in June", "in 2023", "on 8 May, 2023"; not the verbs "may" and "march") and the fact's
+timestamp falls in it. Each ranking contributes its best `candidates(top_k)` facts; a keyword candidate outside the
+vector candidates counts the lowest candidate cosine. In every mode, scores equal to SCORE_DECIMALS decimals tie,
+broken by fact_id (`rank_key`), so that every replica answers a query over the same facts with the same ranks,
+whatever order its arithmetic took. The weights and the rule were chosen on LoCoMo (benchmarks/RESULTS.md, "Retrieval
+modes on LoCoMo")."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ SCORE_DECIMALS = 6  # float32 sums of the same terms differ in their last digits
 _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
            "november", "december")
 _MONTH = re.compile(r"\b(" + "|".join(_MONTHS) + r")\b", re.IGNORECASE)
+_ALSO_VERBS = ("may", "march")
+_NUMBER_FOLLOWS = re.compile(r"\s+\d")
 _YEAR = re.compile(r"\b(19\d\d|20\d\d)\b")
 
 
@@ -45,12 +48,26 @@ class NamedTime:
 
 
 def named_time(query: str) -> NamedTime | None:
-    """The first month name and the first year (1900-2099) the query names; None when it names neither."""
-    month, year = _MONTH.search(query), _YEAR.search(query)
+    """The first month and the first year (1900-2099) the query names; None when it names neither.
+
+    A month is its name in any case, except the two that are also verbs: "May" and "March" count only capitalized,
+    and, opening a sentence, only with a number after them ("May 2023 ...", not "May I ...")."""
+    month, year = _named_month(query), _YEAR.search(query)
     if month is None and year is None:
         return None
-    return NamedTime(_MONTHS.index(month.group(1).lower()) + 1 if month else None,
-                     int(year.group(1)) if year else None)
+    return NamedTime(month, int(year.group(1)) if year else None)
+
+
+def _named_month(query: str) -> int | None:
+    for match in _MONTH.finditer(query):
+        name = match.group(1)
+        before = query[:match.start()].rstrip(" \t\n\"'(")
+        opens_sentence = not before or before.endswith((".", "!", "?"))
+        if name.lower() in _ALSO_VERBS and (
+                not name[0].isupper() or (opens_sentence and not _NUMBER_FOLLOWS.match(query, match.end()))):
+            continue
+        return _MONTHS.index(name.lower()) + 1
+    return None
 
 
 def rank_key(score: float, fact_id: str) -> tuple[float, str]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
+import pytest
+
 from benchmarks.locomo_data import evidence_ids, load_locomo, parse_session_date
+from tests.benchmarks.conftest import locomo_sample
 
 
 def test_session_dates_parse_as_utc() -> None:
@@ -36,3 +40,38 @@ def test_questions_exclude_category_5_and_answers_become_strings(locomo_file) ->
     questions = load_locomo(locomo_file)[0].questions
     assert [(q.category, q.answer) for q in questions] == [(4, "a dog"), (2, "2023")]
     assert questions[1].evidence == ("D2:1", "D1:1")
+
+
+def test_a_fact_citing_several_turns_keeps_them_all_its_first_as_source_turn(tmp_path) -> None:
+    sample = locomo_sample("conv-a", "dog")
+    sample["observation"]["session_2_observation"]["Bo"].append(["Bo and Ana met twice.", ["D1:2", "D2:1", "D9:9"]])
+    path = tmp_path / "locomo.json"
+    path.write_text(json.dumps([sample]))
+    conversation = load_locomo(path)[0]
+    fact = conversation.facts[-1]
+    assert fact.source_turn_id == "D1:2"  # D9:9 is no turn of the conversation
+    assert conversation.fact_sources[fact.fact_id] == ("D1:2", "D2:1")
+    assert conversation.fact_sources[conversation.facts[0].fact_id] == ("D1:2",)
+
+
+def test_coverage_is_the_share_of_evidence_turns_some_fact_cites(locomo_file) -> None:
+    conversation = load_locomo(locomo_file)[0]
+    adopt, pottery = conversation.questions
+    assert conversation.coverage(adopt) == 1.0
+    assert conversation.coverage(pottery) == 0.5  # D1:1 is the source of no observation
+
+
+def test_turn_facts_are_every_turn_with_its_speaker_caption_and_session_date(locomo_file) -> None:
+    conversation = load_locomo(locomo_file, fact_set="turns")[0]
+    assert [(f.source_turn_id, f.text) for f in conversation.facts] == [
+        ("D1:1", "Ana: Hi Bo, how was your week?"),
+        ("D1:2", "Bo: Great, I adopted a dog! [shares a photo: a photo of a dog]"),
+        ("D2:1", "Ana: I started pottery classes."), ("D2:2", "Bo: Nice, I went hiking in the Alps.")]
+    assert conversation.facts[2].timestamp.ToDatetime(tzinfo=UTC) == datetime(2023, 6, 9, 10, 0, tzinfo=UTC)
+    assert conversation.facts[0].metadata["speaker"] == "Ana"
+    assert all(conversation.coverage(question) == 1.0 for question in conversation.questions)
+
+
+def test_an_unknown_fact_set_is_refused(locomo_file) -> None:
+    with pytest.raises(ValueError, match="fact_set"):
+        load_locomo(locomo_file, fact_set="sessions")

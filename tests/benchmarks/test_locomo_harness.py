@@ -49,14 +49,20 @@ def test_token_f1_of_an_empty_answer_is_one_only_against_an_empty_gold() -> None
 
 
 def test_recall_at_k_counts_evidence_turns_covered_by_the_top_k_sources() -> None:
-    ranked = ["D1:2", "D3:1", "D2:1", "D1:2"]
+    ranked = [("D1:2",), ("D3:1",), ("D2:1",), ("D1:2",)]
     assert recall_at(ranked, ("D2:1", "D1:2"), 2) == 0.5
     assert recall_at(ranked, ("D2:1", "D1:2"), 3) == 1.0
     assert recall_at(ranked, ("D9:9",), 50) == 0.0
 
 
 def test_recall_at_k_is_none_for_questions_without_evidence() -> None:
-    assert recall_at(["D1:1"], (), 5) is None
+    assert recall_at([("D1:1",)], (), 5) is None
+
+
+def test_a_fact_citing_several_turns_covers_every_one_of_them() -> None:
+    ranked = [("D3:1",), ("D1:2", "D2:1"), ()]
+    assert recall_at(ranked, ("D2:1", "D1:2"), 1) == 0.0
+    assert recall_at(ranked, ("D2:1", "D1:2"), 2) == 1.0
 
 
 def _questions(per_category: dict[int, int]) -> list[LocomoQuestion]:
@@ -165,7 +171,8 @@ def test_report_gives_each_variants_differences_with_intervals_and_marks_empty_c
 
 def test_recall_per_mode_compares_each_mode_with_the_first_on_the_same_questions() -> None:
     def row(mode: str, question: str, category: int, at_20: float) -> dict:
-        return {"mode": mode, "question_id": question, "category": category, "recall": {"20": at_20, "50": 1.0}}
+        return {"mode": mode, "question_id": question, "category": category, "recall": {"20": at_20, "50": 1.0},
+                "ceiling": 1.0 if category == 1 else 0.5}
 
     rows = [row("vector", "q1", 1, 0.5), row("vector", "q2", 2, 1.0),
             row("hybrid", "q1", 1, 1.0), row("hybrid", "q2", 2, 1.0)]
@@ -175,3 +182,25 @@ def test_recall_per_mode_compares_each_mode_with_the_first_on_the_same_questions
     assert summary["hybrid"]["2"]["vs_first@20"][0] == 0.0 and summary["vector"]["1"]["recall"]["20"] == 0.5
     report = recall_report(summary, ["vector", "hybrid"], (20, 50), ["conv-a"])
     assert "| hybrid | 1 multi-hop | 1 | 1.000 | 1.000 | 0.500 [0.500, 0.500] | 0.000 [0.000, 0.000] |" in report
+
+
+def test_recall_per_mode_reports_the_ceiling_beside_recall_per_category() -> None:
+    rows = [{"mode": mode, "question_id": question, "category": category, "recall": {"20": 0.5, "50": 0.5},
+             "ceiling": ceiling}
+            for mode in ("vector", "hybrid") for question, category, ceiling in (("q1", 1, 1.0), ("q2", 1, 0.5),
+                                                                                 ("q3", 2, 0.0))]
+    summary = summarize_recall(rows, ["vector", "hybrid"], (20, 50))
+    assert summary["hybrid"]["1"]["ceiling"] == 0.75 and summary["hybrid"]["overall"]["ceiling"] == 0.5
+    report = recall_report(summary, ["vector", "hybrid"], (20, 50), ["conv-a"], "turns")
+    assert "facts: turns" in report
+    assert ("| hybrid | 1 multi-hop | 2 | 0.500 | 0.500 | 0.000 [0.000, 0.000] | 0.000 [0.000, 0.000] | 0.750 |"
+            in report)
+
+
+def test_quality_summary_reports_the_ceiling_and_leaves_rows_cached_without_it_out() -> None:
+    rows = [_row("w=0", "a", 1, 1.0, 1.0, 1.0) | {"ceiling": 0.5}, _row("w=0", "b", 1, 1.0, 1.0, 1.0)]
+    summary = summarize(rows, [Variant("w=0", 0)])
+    assert summary["w=0"]["1"]["ceiling"] == 0.5
+    report = markdown_report({"summary": summary, "model": "m", "k": 50, "conversations": ["conv-a"], "rows": 2,
+                              "facts": "turns"}, [])
+    assert "facts: turns" in report and "| 1 multi-hop | 2 | 1.00 | 1.00 | 1.00 | 1.00 | 0.50 |" in report

@@ -1,6 +1,7 @@
 """Keyword scores and ranks depend only on the user's own facts: another user's facts with the query's words, and
 compaction, change neither; facts that tie are ranked by fact_id in every mode, also where the top-k cut falls among
-them. For users answered from the search cache and for users too large for it (read from LanceDB per query)."""
+them; words match by their stems. For users answered from the search cache and for users too large for it (read from
+LanceDB per query)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ async def test_tied_facts_are_cut_by_fact_id_in_every_mode_before_and_after_comp
         for mode in ("vector", "keyword", "hybrid"):
             assert await _ranked(store, "u", "tomatoes on the balcony", mode, 3) == ["a", "b", "c"], mode
         assert await store.optimize()
+
+
+@pytest.mark.parametrize("cache", CACHE)
+async def test_a_fact_sharing_only_a_stem_with_the_query_is_found_where_vector_search_misses_it(tmp_path,
+                                                                                                 cache) -> None:
+    store = await _open_store(tmp_path, CACHE[cache])
+    await store.ingest_facts("u", [NewFact("a-pets", "Nora adopted two kittens"),
+                                   NewFact("b-garden", "Nora plants tulips in spring"),
+                                   NewFact("z-alps", "Nora hikes in the Alps every summer")], _embed)
+    query = "Where did Nora go hiking?"  # "hiking" and "hikes" share the stem "hike"
+    assert await _ranked(store, "u", query, "vector", 1) == ["a-pets"]  # every vector ties: fact_id decides
+    assert await _ranked(store, "u", query, "keyword", 1) == ["z-alps"]
+    assert await _ranked(store, "u", query, "hybrid", 1) == ["z-alps"]
