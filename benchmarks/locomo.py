@@ -628,7 +628,7 @@ def main() -> None:
                         help="retrieval mode (with --recall-only: each mode measured, the first the baseline)")
     parser.add_argument("--recall-only", action="store_true", help="retrieval recall alone, no model")
     parser.add_argument("--facts", choices=FACT_SETS, default="observations",
-                        help="the facts ingested: LoCoMo's observations, or every dialogue turn as a fact")
+                        help="the facts ingested: LoCoMo's observations, every dialogue turn as a fact, or both")
     args = parser.parse_args()
     args.per_category = args.per_category or None
     args.fp8_window = None if args.fp8_window == -2 else args.fp8_window

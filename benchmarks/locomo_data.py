@@ -16,7 +16,7 @@ from inferscale.v1 import memory_pb2 as pb
 
 DEFAULT_LOCOMO = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "locomo" / "locomo-dev6.json"
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
-FACT_SETS = ("observations", "turns")
+FACT_SETS = ("observations", "turns", "both")
 _DIA_ID = re.compile(r"D\d+:\d+")
 _SESSION = re.compile(r"session_(\d+)$")
 
@@ -74,7 +74,7 @@ def load_locomo(path: Path = DEFAULT_LOCOMO, categories: tuple[int, ...] = tuple
     and the questions of the given categories (5, adversarial, has no gold answer of the same kind).
 
     fact_set "observations": LoCoMo's observations, each citing the turns it was drawn from (source_turn_id: the
-    first); "turns": every turn as a fact ("<speaker>: <text>", its own source)."""
+    first); "turns": every turn as a fact ("<speaker>: <text>", its own source); "both": the two together."""
     if fact_set not in FACT_SETS:
         raise ValueError(f"fact_set: one of {FACT_SETS}, not {fact_set!r}")
     conversations = []
@@ -91,8 +91,12 @@ def load_locomo(path: Path = DEFAULT_LOCOMO, categories: tuple[int, ...] = tuple
                 message.timestamp.FromDatetime(date)
                 turns.append(message)
                 date_of_turn[turn["dia_id"]] = date
-        facts, fact_sources = (turn_facts(turns) if fact_set == "turns"
-                               else observation_facts(sample["observation"], sessions, date_of_turn))
+        facts, fact_sources = [], {}
+        if fact_set in ("observations", "both"):
+            facts, fact_sources = observation_facts(sample["observation"], sessions, date_of_turn)
+        if fact_set in ("turns", "both"):
+            more_facts, more_sources = turn_facts(turns)
+            facts, fact_sources = [*facts, *more_facts], {**fact_sources, **more_sources}
         questions = [
             LocomoQuestion(f"{sample['sample_id']}-q{index}", qa["question"], str(qa["answer"]),
                            evidence_ids(qa.get("evidence", [])), int(qa["category"]))

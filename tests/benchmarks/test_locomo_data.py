@@ -72,6 +72,16 @@ def test_turn_facts_are_every_turn_with_its_speaker_caption_and_session_date(loc
     assert all(conversation.coverage(question) == 1.0 for question in conversation.questions)
 
 
+def test_both_fact_sets_together_keep_each_fact_and_its_sources(locomo_file) -> None:
+    observations = load_locomo(locomo_file)[0]
+    turns = load_locomo(locomo_file, fact_set="turns")[0]
+    both = load_locomo(locomo_file, fact_set="both")[0]
+    assert list(both.facts) == [*observations.facts, *turns.facts]
+    assert both.fact_sources == {**observations.fact_sources, **turns.fact_sources}
+    assert len({fact.fact_id for fact in both.facts}) == len(both.facts)
+    assert all(both.coverage(question) == 1.0 for question in both.questions)
+
+
 def test_an_unknown_fact_set_is_refused(locomo_file) -> None:
     with pytest.raises(ValueError, match="fact_set"):
         load_locomo(locomo_file, fact_set="sessions")
