@@ -91,7 +91,8 @@ def load_locomo(path: Path = DEFAULT_LOCOMO, categories: tuple[int, ...] = tuple
                 message.timestamp.FromDatetime(date)
                 turns.append(message)
                 date_of_turn[turn["dia_id"]] = date
-        facts, fact_sources = [], {}
+        facts: list[pb.FactInput] = []
+        fact_sources: dict[str, tuple[str, ...]] = {}
         if fact_set in ("observations", "both"):
             facts, fact_sources = observation_facts(sample["observation"], sessions, date_of_turn)
         if fact_set in ("turns", "both"):
