@@ -2,14 +2,14 @@
 
     python -m benchmarks.locomo [--data ../shared/data/locomo/locomo-dev6.json] [--conversations 6]
         [--per-category 6] [--k 50] [--windows 0 5 20 50 -1] [--tails 1 2 5 10] [--tail-window 20]
-        [--fp8-window 50] [--order-window 50] [--retrieval vector|keyword|hybrid] [--facts observations|turns]
+        [--fp8-window 50] [--order-window 50] [--retrieval vector|keyword|hybrid] [--facts observations|turns|both]
     python -m benchmarks.locomo --recall-only --retrieval vector keyword hybrid [--per-category 0]
 
 --recall-only measures retrieval alone, in every mode given (`evaluate_recall`); otherwise the one mode
 given (default: the service's) retrieves the facts of every variant. What a full run does:
 
-Ingests LoCoMo conversations (turns, and facts: LoCoMo's observations with their source turns, or with
---facts turns every turn as a fact) through the real gRPC API into a real memory service, runs the real
+Ingests LoCoMo conversations (turns, and facts: LoCoMo's observations with their source turns, with --facts turns
+every turn as a fact, with --facts both the two) through the real gRPC API into a real memory service, runs the real
 precompute worker once per encoding (Context-Window Encoding with w preceding turns, -1 = all; float32 and fp8
 storage), then for each question of a stratified subset (categories 1-4):
 - retrieval recall@k of the evidence turns (a retrieved fact covers every turn it cites), k = 5, 10, 20, 50, beside
@@ -25,7 +25,7 @@ conversation turns text never sees: kv - text is then what the encoding gains or
 The prompt is the inference node's (its middleware's memory block, best fact last, the connector's provable
 prefix); the model runs in this process (transformers, fp32), so NLLs are exact and comparable. Results are
 cached per (variant, question) in the output folder, so an interrupted run resumes; the memory service keeps
-its data there too. Writes report.md, results.json and PNGs.
+its data there too (an output folder holds one --facts set). Writes report.md, results.json and PNGs.
 """
 
 from __future__ import annotations
@@ -276,6 +276,17 @@ class ResultCache:
         self.rows[(row["variant"], row["question_id"])] = row
         with self.path.open("a") as out:
             out.write(json.dumps(row) + "\n")
+
+
+def claim_output(output: Path, fact_set: str) -> None:
+    """Marks `output` as a run over `fact_set`; SystemExit where it holds a run over another (its memory service's
+    facts and cached results would mix in)."""
+    marker = output / "facts.txt"
+    if marker.exists() and marker.read_text().strip() != fact_set:
+        raise SystemExit(f"--output {output}: holds a run with --facts {marker.read_text().strip()}, not {fact_set}: "
+                         "pass another --output")
+    output.mkdir(parents=True, exist_ok=True)
+    marker.write_text(fact_set + "\n")
 
 
 def ingest(stub, conversations: list[LocomoConversation]) -> None:
@@ -636,6 +647,7 @@ def main() -> None:
     args.tail_window = None if args.tail_window == -2 else args.tail_window
     if not args.data.exists():
         raise SystemExit(f"{args.data}: no LoCoMo file (pass --data PATH)")
+    claim_output(args.output, args.facts)
     if args.recall_only:
         modes = args.retrieval or list(RETRIEVAL_MODES)
         recall, report = evaluate_recall(args.data, args.conversations, args.per_category, args.seed, modes,

@@ -45,8 +45,6 @@ log = structlog.get_logger(__name__)
 FACTS_TABLE = "facts"
 TURNS_TABLE = "turns"
 EMBEDDING_META = "embedding"  # the store_meta entry naming the embedding model and dimension
-# LanceDB's BM25 index on fact text: lower-cased, ASCII-folded, stemmed (English), stop words out; no positions
-# (phrase queries are not offered).
 
 
 class StoreMismatch(RuntimeError):

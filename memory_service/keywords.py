@@ -23,7 +23,8 @@ _STEMMERS = threading.local()  # a PyStemmer stemmer is not thread-safe: one per
 def _stemmer() -> Stemmer.Stemmer:
     stemmer: Stemmer.Stemmer | None = getattr(_STEMMERS, "english", None)
     if stemmer is None:
-        stemmer = _STEMMERS.english = Stemmer.Stemmer("english")
+        # No word cache: it would keep up to 10,000 of any user's words per thread, outside the search cache's budget.
+        stemmer = _STEMMERS.english = Stemmer.Stemmer("english", 0)
     return stemmer
 
 

@@ -50,8 +50,8 @@ class NamedTime:
 def named_time(query: str) -> NamedTime | None:
     """The first month and the first year (1900-2099) the query names; None when it names neither.
 
-    A month is its name in any case, except the two that are also verbs: "May" and "March" count only capitalized,
-    and, opening a sentence, only with a number after them ("May 2023 ...", not "May I ...")."""
+    A month is its name in any case, except the two that are also verbs: "may" and "march" count with a number after
+    them ("in may 2023", "march 8"), else only capitalized and not opening a sentence ("in May", not "May I ...")."""
     month, year = _named_month(query), _YEAR.search(query)
     if month is None and year is None:
         return None
@@ -63,8 +63,8 @@ def _named_month(query: str) -> int | None:
         name = match.group(1)
         before = query[:match.start()].rstrip(" \t\n\"'(")
         opens_sentence = not before or before.endswith((".", "!", "?"))
-        if name.lower() in _ALSO_VERBS and (
-                not name[0].isupper() or (opens_sentence and not _NUMBER_FOLLOWS.match(query, match.end()))):
+        number_follows = _NUMBER_FOLLOWS.match(query, match.end()) is not None
+        if name.lower() in _ALSO_VERBS and not number_follows and (not name[0].isupper() or opens_sentence):
             continue
         return _MONTHS.index(name.lower()) + 1
     return None

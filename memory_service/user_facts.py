@@ -6,9 +6,9 @@ concurrent callers), and their BM25 index for keyword queries, built at the firs
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -55,6 +55,9 @@ class UserFacts:
     # The user's write generation in the coordination store that these rows reflect (replicas sharing a store);
     # -1: unknown, so the entry is reloaded before it is used.
     store_generation: int = 0
+    # This entry's own lock for building its keyword index (functools.cached_property's lock is one for every
+    # instance on Python 3.11: one user's build would hold up every other user's first keyword query).
+    _index_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -72,10 +75,18 @@ class UserFacts:
             return []
         return ranked_facts(self.rows, self.vectors @ query_vector.astype(np.float32), top_k)
 
-    @cached_property
+    @property
     def keyword_index(self) -> KeywordIndex:
-        """BM25 over these facts' texts alone (built at the first use; a write makes a new UserFacts)."""
-        return keyword_index(self.rows)
+        """BM25 over these facts' texts alone (built once, at the first use, while other entries' builds go on; a
+        write makes a new UserFacts)."""
+        built: KeywordIndex | None = self.__dict__.get("_keyword_index")
+        if built is None:
+            with self._index_lock:
+                built = self.__dict__.get("_keyword_index")
+                if built is None:
+                    built = keyword_index(self.rows)
+                    object.__setattr__(self, "_keyword_index", built)
+        return built
 
     def keyword_top_k(self, query: str, top_k: int) -> list[ScoredFact]:
         """The top-k facts by BM25 of `query` over these facts alone, best first, ties by fact_id; facts sharing no

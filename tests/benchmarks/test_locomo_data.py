@@ -85,3 +85,12 @@ def test_both_fact_sets_together_keep_each_fact_and_its_sources(locomo_file) -> 
 def test_an_unknown_fact_set_is_refused(locomo_file) -> None:
     with pytest.raises(ValueError, match="fact_set"):
         load_locomo(locomo_file, fact_set="sessions")
+
+
+def test_an_output_folder_keeps_to_one_fact_set(tmp_path) -> None:
+    from benchmarks.locomo import claim_output
+
+    claim_output(tmp_path / "run", "observations")
+    claim_output(tmp_path / "run", "observations")  # a rerun resumes
+    with pytest.raises(SystemExit, match="--facts observations, not turns"):
+        claim_output(tmp_path / "run", "turns")

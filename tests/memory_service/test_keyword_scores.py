@@ -91,3 +91,47 @@ async def test_a_fact_sharing_only_a_stem_with_the_query_is_found_where_vector_s
     assert await _ranked(store, "u", query, "vector", 1) == ["a-pets"]  # every vector ties: fact_id decides
     assert await _ranked(store, "u", query, "keyword", 1) == ["z-alps"]
     assert await _ranked(store, "u", query, "hybrid", 1) == ["z-alps"]
+
+
+def test_one_users_keyword_index_build_does_not_hold_up_anothers(monkeypatch) -> None:
+    """A user's first keyword query builds the user's index; another user's build, however long, does not wait for
+    it (functools.cached_property's lock, one for every instance on Python 3.11, made it wait)."""
+    import threading
+
+    from memory_service import user_facts
+    from memory_service.user_facts import UserFacts, fact_row
+
+    def facts(user: str, count: int) -> UserFacts:
+        rows = [fact_row({"user_id": user, "fact_id": f"f{i}", "text": f"jar {i} on shelf", "source_turn_id": "",
+                          "timestamp_us": 0, "metadata_json": "{}", "version": 1, "created_at_us": 0,
+                          "updated_at_us": 0, "content_hash": ""}) for i in range(count)]
+        return UserFacts(rows, np.zeros((count, 4), dtype=np.float32))
+
+    big, small = facts("big", 3), facts("small", 2)
+    building, small_built = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real_build = user_facts.keyword_index
+
+    def build(rows):
+        if rows is big.rows:  # a long build: it lasts until the small user's index is built, or 5 s
+            building.set()
+            waited.append(small_built.wait(timeout=5))
+        return real_build(rows)
+
+    monkeypatch.setattr(user_facts, "keyword_index", build)
+    builder = threading.Thread(target=lambda: big.keyword_index)
+    builder.start()
+    assert building.wait(timeout=5)
+    small.keyword_index  # noqa: B018 - the build under test
+    small_built.set()
+    builder.join(timeout=10)
+    assert waited == [True]
+    assert small.keyword_top_k("jar", 5) and big.keyword_top_k("shelf", 5)
+    assert big.keyword_index is big.keyword_index  # built once
+
+
+def test_words_are_the_pinned_snowball_english_stems() -> None:
+    """Replicas rank alike only if they stem alike: the stems of the Snowball release PyStemmer 3.1 bundles."""
+    from memory_service.keywords import words
+
+    assert words(["Hiking skis, the International jars"]) == [["hike", "ski", "internat", "jar"]]

@@ -20,6 +20,8 @@ from memory_service.retrieval import NamedTime, fuse, named_time
     ("Did Andrew have a pet dog during March 2023?", NamedTime(3, 2023)),
     ("May 2023 was busy: what did Ana do?", NamedTime(5, 2023)),  # opening a sentence, with a number after it
     ("What did Ana do in 2022?", NamedTime(None, 2022)),
+    ("what did ana do in may 2023?", NamedTime(5, 2023)),  # ...and so do the verbs' with a number after them
+    ("did ana hike on march 8?", NamedTime(3, None)),
 ])
 def test_a_named_month_and_year_are_read(query: str, expected: NamedTime) -> None:
     assert named_time(query) == expected

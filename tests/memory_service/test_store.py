@@ -160,7 +160,7 @@ async def test_a_user_index_built_by_another_writer_first_does_not_fail_this_one
 
     await store._ensure_user_index(facts)  # this replica's view predates the other's index
 
-    # One user index (the other replica's), beside the full-text index `open` built.
+    # One user index: the other replica's.
     assert sorted(index.columns for index in await facts.list_indices()) == [["user_id"]]
     await store.ingest_facts("u", [NewFact("f0", "axis-0 fact")], _axis_embed)
     assert sorted(index.columns for index in await facts.list_indices()) == [["user_id"]]
