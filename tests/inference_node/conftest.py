@@ -21,6 +21,7 @@ from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+from inferscale_kv.stored_text import StoredTextGuard
 from precompute_worker.worker import profile_message
 
 # The injection mechanics under test: every fact with KV is injected unless a test asks for a tail.
@@ -110,3 +111,17 @@ def node_memory_service(tmp_path_factory):
 def node_stub(node_memory_service):
     with node_memory_service.channel() as channel:
         yield memory_pb2_grpc.MemoryServiceStub(channel)
+
+
+@pytest.fixture
+def neutralized(monkeypatch) -> list[str]:
+    """Every text StoredTextGuard.neutral is asked to make neutral from here on in the test (clear it to start over)."""
+    texts: list[str] = []
+    neutral = StoredTextGuard.neutral
+
+    def counting(guard: StoredTextGuard, text: str) -> str:
+        texts.append(text)
+        return neutral(guard, text)
+
+    monkeypatch.setattr(StoredTextGuard, "neutral", counting)
+    return texts

@@ -16,7 +16,7 @@ import uvloop
 from inference_node.drain import STOP_SIGNALS, StopWatch
 from inference_node.middleware import MemoryMiddleware
 from inference_node.settings import SETTINGS_ENV, NodeSettings
-from tests.inference_node.test_middleware_input import PROFILE, RecordingApp
+from tests.inference_node.test_middleware_input import PROFILE, RecordingApp, _request
 
 
 @pytest.fixture
@@ -55,20 +55,11 @@ def test_a_stop_signal_reaches_the_loop_handler_and_marks_the_node_stopping(
 
 
 def _call(middleware: MemoryMiddleware, method: str, path: str) -> int:
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": json.dumps({"prompt": "x"}).encode(), "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": method, "path": path, "headers": [(b"content-type", b"application/json")]}
-    asyncio.run(middleware(scope, receive, send))
-    if sent[0]["status"] == 503:
-        assert (b"connection", b"close") in sent[0]["headers"]
-        assert json.loads(sent[1]["body"])["error"]["message"].startswith("the node is stopping")
-    return sent[0]["status"]
+    status, body, headers = _request(middleware, [json.dumps({"prompt": "x"}).encode()], path=path, method=method)
+    if status == 503:
+        assert headers[b"connection"] == b"close"
+        assert body["error"]["message"].startswith("the node is stopping")
+    return status
 
 
 def test_a_stopping_node_answers_readiness_and_new_work_503_and_lets_the_rest_through(

@@ -35,9 +35,10 @@ def served(monkeypatch, node_plan_secret) -> tuple[MemoryMiddleware, RecordingAp
     return MemoryMiddleware(app), app
 
 
-def _post(middleware: MemoryMiddleware, chunks: list[bytes], headers: list[tuple[bytes, bytes]] | None = None,
-          path: str = "/v1/completions") -> tuple[int, dict, dict]:
-    """(status, JSON body or {}, response headers) of one POST whose body arrives in `chunks`."""
+def _request(middleware: MemoryMiddleware, chunks: list[bytes], headers: list[tuple[bytes, bytes]] | None = None,
+             path: str = "/v1/completions", method: str = "POST") -> tuple[int, dict, dict]:
+    """(status, JSON body or {}, response headers) of one request (a POST unless `method` says) whose body arrives
+    in `chunks`."""
     messages = [{"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1}
                 for index, chunk in enumerate(chunks)]
     sent: list[dict] = []
@@ -48,7 +49,7 @@ def _post(middleware: MemoryMiddleware, chunks: list[bytes], headers: list[tuple
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path,
+    scope = {"type": "http", "method": method, "path": path,
              "headers": headers if headers is not None else [(b"content-type", b"application/json")]}
     asyncio.run(middleware(scope, receive, send))
     body = b"".join(message.get("body", b"") for message in sent[1:])
@@ -58,7 +59,7 @@ def _post(middleware: MemoryMiddleware, chunks: list[bytes], headers: list[tuple
 def test_a_body_past_the_limit_is_a_413_before_it_is_buffered(served) -> None:
     middleware, app = served
     chunk = b" " * (1 << 20)
-    status, body, _ = _post(middleware, [b'{"prompt": "x"'] + [chunk] * ((MAX_BODY_BYTES >> 20) + 2) + [b"}"])
+    status, body, _ = _request(middleware, [b'{"prompt": "x"'] + [chunk] * ((MAX_BODY_BYTES >> 20) + 2) + [b"}"])
     assert status == 413 and body["error"]["message"].startswith("body: larger than")
     assert app.bodies == []
 
@@ -71,7 +72,7 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_buffered(served) -> None:
 ])
 def test_a_body_that_does_not_parse_is_a_400_naming_the_body(served, raw, expected) -> None:
     middleware, app = served
-    status, body, headers = _post(middleware, [raw])
+    status, body, headers = _request(middleware, [raw])
     assert status == 400 and body["error"]["message"].startswith(expected) and body["error"]["param"] == "body"
     assert headers[b"x-request-id"]
     assert app.bodies == []
@@ -81,7 +82,7 @@ def test_a_body_that_does_not_parse_is_a_400_naming_the_body(served, raw, expect
 def test_bodies_that_are_not_json_by_their_type_or_empty_go_to_vllm_unchanged(served, headers) -> None:
     middleware, app = served
     raw = b"--x\r\ncontent-disposition: form-data\r\n\r\n" if headers else b""
-    assert _post(middleware, [raw], headers)[0] == 200
+    assert _request(middleware, [raw], headers)[0] == 200
     assert app.bodies == [raw]
 
 
@@ -94,10 +95,10 @@ def test_a_failure_of_the_middleware_is_a_500_naming_the_request_id_which_the_lo
 
     monkeypatch.setattr(middleware_module, "strip_client_plans", broken)
     with caplog.at_level(logging.ERROR, logger="inference_node.middleware"):
-        status, body, headers = _post(middleware, [b'{"prompt": "x"}'],
+        status, body, headers = _request(middleware, [b'{"prompt": "x"}'],
                                       [(b"content-type", b"application/json"), (b"x-request-id", b"req-42")])
     assert status == 500 and "req-42" in body["error"]["message"] and headers[b"x-request-id"] == b"req-42"
     assert any("req-42" in record.getMessage() and record.exc_info for record in caplog.records)
     assert app.bodies == []
-    _, _, headers = _post(middleware, [b"{"], [(b"content-type", b"application/json"), (b"x-request-id", b"a b")])
+    _, _, headers = _request(middleware, [b"{"], [(b"content-type", b"application/json"), (b"x-request-id", b"a b")])
     assert headers[b"x-request-id"] != b"a b"  # not a plain id: the middleware names the request itself

@@ -24,7 +24,6 @@ from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
 from inferscale_kv.model_profile import build_model_profile
-from inferscale_kv.stored_text import StoredTextGuard
 
 USER = "mw-retrieval"
 DOG_FACTS = ["Caroline's dog Max loves the beach.", "Caroline walks her dog every morning.",
@@ -206,7 +205,7 @@ def test_a_failure_that_is_not_the_requests_answers_without_memory_and_says_so(s
     assert _dropped() == {**dropped, reason: dropped[reason] + 1}
 
 
-def test_a_second_request_does_not_recompute_the_facts_neutral_lines(served, monkeypatch) -> None:
+def test_a_second_request_does_not_recompute_the_facts_neutral_lines(served, neutralized) -> None:
     """Regression (issue 31 review, L1): every request made each retrieved fact neutral again (StoredTextGuard
     .neutral), on vLLM's event loop: a hostile 2,000-character fact costs milliseconds. The node remembers each
     fact's line; the memory block stays the same."""
@@ -214,14 +213,7 @@ def test_a_second_request_does_not_recompute_the_facts_neutral_lines(served, mon
     assert _chat(middleware, {})[0] == 200
     first_block = _memory_block(app)
     fact_texts = {*DOG_FACTS, PARCEL}
-    neutralized: list[str] = []
-    neutral = StoredTextGuard.neutral
-
-    def counting(guard: StoredTextGuard, text: str) -> str:
-        neutralized.append(text)
-        return neutral(guard, text)
-
-    monkeypatch.setattr(StoredTextGuard, "neutral", counting)
+    neutralized.clear()  # counted from here
     assert _chat(middleware, {})[0] == 200
     assert _memory_block(app) == first_block
     assert fact_texts & set(first_block.splitlines())  # the facts are in the block
