@@ -7,8 +7,14 @@ English stem, so that "hiking" in a query finds "hike" in a fact."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+
+# Where JAX is installed, importing bm25s imports it and runs a top-k with it; on a GPU host JAX then takes 75% of the
+# GPU's memory (its default preallocation), leaving the vLLM node beside the service too little to start. The scores
+# here never use JAX's top-k: keep JAX, if present, on the CPU unless the operator chose otherwise.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import bm25s
 import numpy as np
