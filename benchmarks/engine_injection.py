@@ -70,7 +70,7 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_transfer_config=KVTransferConfig(
             kv_connector="InferScaleConnector", kv_connector_module_path="inference_node.connector",
-            kv_role="kv_consumer", kv_load_failure_policy="recompute", kv_connector_extra_config=settings),
+            kv_role="kv_consumer", kv_load_failure_policy="fail", kv_connector_extra_config=settings),
     )
     rng = random.Random(0)
     vocab = config["vocab_size"]

@@ -221,8 +221,12 @@ class PlanSigner:
         plan = LoadPlan.from_wire(wire)  # only what to_wire writes, so `wire` has its types: _canonical's domain
         if plan is None or not isinstance(wire, dict):
             return None
-        canonical = _canonical(wire)
-        if not hmac.compare_digest(signed["sig"].encode(), self._mac(b"plan", canonical).encode()):
+        try:
+            canonical = _canonical(wire)
+            signature = signed["sig"].encode()
+        except UnicodeEncodeError:  # a lone surrogate in a string: no plan the middleware signed
+            return None
+        if not hmac.compare_digest(signature, self._mac(b"plan", canonical).encode()):
             return None
         return plan, self._salt(canonical)
 

@@ -70,6 +70,11 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise ValueError("InferScaleConnector: speculative decoding is not supported (a draft model's attention "
                          "layers would get no memory KV)")
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
+    if policy != "fail":
+        raise ValueError(f"InferScaleConnector: needs kv_load_failure_policy='fail', got {policy!r} (every load is "
+                         "synchronous; a load that still fails must fail its request, and vLLM's recompute of a "
+                         "failed synchronous load can answer wrong tokens: upstream issue 49250)")
     check_rotary_supported(vllm_config.model_config.hf_config)
     if kv_cache_config is not None:
         specs = [type(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]

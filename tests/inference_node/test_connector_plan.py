@@ -86,6 +86,15 @@ def test_malformed_plans_claim_nothing_and_never_raise(plan) -> None:
     assert proof.end == 0 or [c.key.fact_id for c in proof.chunks] == ["header"]
 
 
+@pytest.mark.parametrize("signed", [
+    {"plan": {**_plan().to_wire(), "user_id": "\ud800"}, "sig": "0" * 64},  # a lone surrogate JSON can carry
+    {"plan": _plan().to_wire(), "sig": "\udfff"},
+])
+def test_a_plan_with_a_string_utf8_cannot_encode_is_refused_without_raising(signed) -> None:
+    """The check runs on vLLM's scheduling thread: an exception there would stop the engine for every user."""
+    assert SIGNER.verified_with_salt({"inferscale": signed}) is None
+
+
 def test_the_wire_form_and_its_signature_are_the_ones_plans_were_signed_with_before_the_plan_was_typed() -> None:
     """A plan the node signed before `LoadPlan` existed still verifies, with the same salt (rolling upgrades)."""
     plan = LoadPlan("kvp-p", "u1", PlanHeader("a" * 32, (1, 2, 3)),

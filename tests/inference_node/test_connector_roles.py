@@ -34,11 +34,13 @@ def _model_config(**overrides) -> SimpleNamespace:
     return SimpleNamespace(hf_config=hf_config, dtype=torch.float32)
 
 
-def _vllm_config(pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, **model_overrides) -> Any:
+def _vllm_config(pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1, failure_policy: str = "fail",
+                 **model_overrides) -> Any:
     """vLLM's config as the connector reads it (a stand-in: only those fields)."""
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size,
                                                            pipeline_parallel_size=pipeline_parallel_size),
-                           model_config=_model_config(**model_overrides), speculative_config=None)
+                           model_config=_model_config(**model_overrides), speculative_config=None,
+                           kv_transfer_config=SimpleNamespace(kv_load_failure_policy=failure_policy))
 
 
 class _Clock:
@@ -303,6 +305,17 @@ def test_engine_start_refuses_pipeline_parallelism_and_unsupported_rotary() -> N
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
     with pytest.raises(UnsupportedRotary, match="'dynamic'"):  # transformers rescales per length, vLLM once
         check_supported(_vllm_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_engine_start_refuses_a_failed_load_being_recomputed() -> None:
+    """A node started without `python -m inference_node` (vLLM's own server, a copied config) gets no other policy:
+    a synchronous load that fails must fail its request, never reach vLLM's recompute (upstream issue 49250)."""
+    with pytest.raises(ValueError, match="kv_load_failure_policy='fail', got 'recompute'"):
+        check_supported(_vllm_config(failure_policy="recompute"))
+    no_transfer = _vllm_config()
+    no_transfer.kv_transfer_config = None
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        check_supported(no_transfer)
 
 
 def test_engine_start_refuses_speculative_decoding_and_other_kv_cache_layouts() -> None:
