@@ -7,7 +7,7 @@ and stays there until the load has been sent. A request whose chunks are not all
 missing chunks prefetched; the workers fetch them on their fetch threads and report each settled chunk back through
 vLLM's worker-to-scheduler channel (metadata.PrefetchReport), so the request is admitted, with its load, in the
 first step after they are resident. A prefetch that fails, times out or does not fit means the request claims
-nothing and vLLM prefills its prompt: no vLLM failure path is involved. The node runs with
+nothing and vLLM prefills its prompt: no vLLM failure path is involved. The connector starts only under
 kv_load_failure_policy="fail", so a synchronous load that still fails in a worker (a defect) fails that one request
 with an error and never reaches vLLM's recompute of refused synchronous loads (wrong on vLLM 0.26: upstream issue
 49250, benchmarks/RESULTS.md, "Refused loads on the GPU").
@@ -44,6 +44,8 @@ Every way a synchronous load could be refused or diverge, and what closes it her
 14. What remains is a defect (a device error, an exception in the worker's write): vLLM fails that request
    (FINISHED_ERROR) and the engine serves on; counted (load_defects), logged, and its chunks are no longer trusted
    (the next request fetches them again).
+15. A request vLLM computes in full (it skips the prefix cache, or asks for prompt logprobs): vLLM would discard
+   the claim, so it claims nothing, holds nothing and orders no prefetch.
 
 Runs in vLLM's EngineCore process on the scheduler's thread; nothing here touches the network or the device.
 """
@@ -91,6 +93,16 @@ class _Admission:
     looked_up: bool = False  # its chunks were counted in the node-cache lookups
 
 
+def _reads_no_cached_kv(request: Request) -> bool:
+    """vLLM computes every prompt token of this request (it skips the prefix cache, or asks for prompt logprobs):
+    a load would be discarded (vLLM overrides the answer with 0) or leave positions without their logprobs, and
+    ordering its prefetch would only evict others' chunks."""
+    if getattr(request, "skip_reading_prefix_cache", False):
+        return True
+    sampling = getattr(request, "sampling_params", None)
+    return sampling is not None and getattr(sampling, "prompt_logprobs", None) is not None
+
+
 class InferScaleScheduler:
     def __init__(self, vllm_config: VllmConfig, settings: NodeSettings,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -135,6 +147,9 @@ class InferScaleScheduler:
         """The tokens a synchronous load will supply beyond vLLM's local hit, or None while the request waits for
         its chunks to be prefetched. Never async. Its only effects are idempotent: the request's holds, and the
         prefetch of chunks nobody fetches yet (ordered once)."""
+        if _reads_no_cached_kv(request):
+            self._forget(request.request_id)
+            return 0, False
         proof = self._proof(request)
         self._computed[request.request_id] = num_computed_tokens  # where a load allocated next would start
         if proof.end <= num_computed_tokens:

@@ -83,6 +83,19 @@ def _request(request_id: str, signer: PlanSigner = SIGNER, salt: str | None = No
                            cache_salt=signer.cache_salt(plan) if salt is None else salt, lora_request=lora)
 
 
+@pytest.mark.parametrize("reads_no_cache", [{"skip_reading_prefix_cache": True},
+                                            {"sampling_params": SimpleNamespace(prompt_logprobs=0)}])
+def test_a_request_vllm_computes_in_full_claims_nothing_and_fetches_nothing(scheduler, reads_no_cache) -> None:
+    """vLLM discards a claim for a request that skips the prefix cache (prompt logprobs): it must not hold chunks,
+    order prefetches or evict anyone's chunks either."""
+    request = _request("r1")
+    for name, value in reads_no_cache.items():
+        setattr(request, name, value)
+    answers, metadata = _step(scheduler, request)
+    assert answers == {"r1": 0} and not metadata.prefetches and not metadata.evictions
+    assert not scheduler._directory._holds
+
+
 def _refused(scheduler: InferScaleScheduler) -> int:
     stats = scheduler.take_stats()
     return 0 if stats is None else stats.data["plans_refused"]
