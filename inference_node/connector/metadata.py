@@ -8,6 +8,7 @@ tensor-parallel ranks by vLLM's output aggregator): the prefetched chunks each r
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -32,10 +33,13 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class PrefetchSpec:
-    """Fetch these chunks (one user's facts, and maybe the header) into every rank's node cache."""
+    """Fetch these chunks (one user's facts, and maybe the header) into every rank's node cache; a rank whose fetch
+    threads are still busy `start_within_s` after receiving it reports it failed without fetching (its waiters have
+    given up by then)."""
 
     user_id: str
     chunks: tuple[ChunkLoad, ...]
+    start_within_s: float = math.inf
 
 
 @dataclass

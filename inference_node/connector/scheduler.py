@@ -34,7 +34,8 @@ Every way a synchronous load could be refused or diverge, and what closes it her
 8. A tensor-parallel rank that disagrees: resident needs every rank's report; a chunk any rank failed is evicted
    from all; each rank holds and checks its own head shard.
 9. A prefetch that fails, or is not settled within fetch_timeout_s + PREFETCH_GRACE_S: the requests waiting for it
-   claim nothing and are prefilled by vLLM.
+   claim nothing and are prefilled by vLLM; a rank that could not start it within that time reports it failed
+   without fetching, so a backlog of fetches nobody waits for does not make later requests wait.
 10. A prefetch racing an eviction: a chunk being fetched cannot be evicted; a failed one is evicted only once every
    rank settled it, and a later prefetch of it travels in the same or a later step, after the eviction.
 11. No room: a prefetch that cannot fit the budget after evicting every unheld chunk is not ordered; the request
@@ -191,7 +192,7 @@ class InferScaleScheduler:
                 to_fetch.append(chunk)
             elif directory.fetch_expired(chunk.key, now):
                 return "its prefetch did not finish in time"
-        if to_fetch and not directory.prefetch(user_id, to_fetch, now + self._fetch_wait_s):
+        if to_fetch and not directory.prefetch(user_id, to_fetch, now + self._fetch_wait_s, self._fetch_wait_s):
             return "its chunks do not fit the node cache"
         admission.waited.update({chunk.key: fetch_id for chunk in missing
                                  if (fetch_id := directory.fetch_id(chunk.key)) is not None})

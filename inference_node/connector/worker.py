@@ -14,6 +14,7 @@ when the worker is built (`from_settings`: kv_source.py, load_timer.py).
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -98,12 +99,20 @@ class InferScaleWorker:
             if self._fetcher is None:
                 self._fetcher = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="inferscale-fetch")
             compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            future = self._fetcher.submit(self._stager.fetch, spec.user_id, spec.chunks, device, self._dtype,
+            future = self._fetcher.submit(self._fetch, spec, time.monotonic() + spec.start_within_s, device,
                                           compute_stream)
         except Exception as exc:  # reported as a failed prefetch
             future = Future()
             future.set_exception(exc)
         self._prefetching.append((spec, future))
+
+    def _fetch(self, spec: PrefetchSpec, start_by: float, device: torch.device,
+               compute_stream: torch.cuda.Stream | None) -> int:
+        """A fetch thread's job: the prefetch, unless it waited for a thread past the time its waiters give up (a
+        backlog of fetches nobody waits for would make every later cold request wait out its deadline)."""
+        if time.monotonic() > start_by:
+            raise TimeoutError(f"no fetch thread free within {spec.start_within_s:.1f} s")
+        return self._stager.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream)
 
     def build_worker_meta(self) -> PrefetchReport | None:
         """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""

@@ -196,6 +196,8 @@ def test_a_request_whose_prefetch_fails_times_out_or_cannot_fit_claims_nothing_a
         # Another request orders the chunks again before r1 is asked: r1 still learns that its prefetch failed.
         assert _step(scheduler, _request("r0"))[1].evictions  # a failed chunk leaves the ranks that fetched it
     elif outcome == "timed-out":
+        # The ranks give up on it too, unfetched, if no fetch thread could start it by then.
+        assert [spec.start_within_s for spec in metadata.prefetches] == [1 + PREFETCH_GRACE_S]
         clock.now += 1 + PREFETCH_GRACE_S + 0.1
     if outcome != "no-room":
         assert answers == {"r1": None}

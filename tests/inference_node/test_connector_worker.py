@@ -162,6 +162,35 @@ def _worker_with(source: _Source, shard: KvHeadShard = UNSHARDED) -> InferScaleW
     return InferScaleWorker(vllm_config, source, UNTIMED, shard)
 
 
+def test_a_prefetch_that_waits_for_a_fetch_thread_past_its_start_time_fails_without_fetching(layers) -> None:
+    """A backlog of fetches nobody waits for any more would make every later cold request wait out its deadline:
+    a prefetch no thread could start within its `start_within_s` is reported failed (its reservation goes) unfetched."""
+    release = threading.Event()
+    synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
+
+    def slow(chunks):
+        release.wait(10)
+        return synthetic.fetch("u1", chunks, torch.device("cpu"), torch.float32, None)
+
+    source = _Source(slow)
+    worker = _worker_with(source)
+    busy = [PrefetchSpec("u1", (chunk,)) for chunk in CHUNKS]  # one per fetch thread
+    late = PrefetchSpec("u2", (ChunkLoad(KvKey("p", "u2", "g", 1, "c" * 32), (20, 21), 3),), start_within_s=0.05)
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[*busy, late]), _forward_context(layers))
+    time.sleep(0.3)
+    release.set()
+    reports = PrefetchReport()
+    deadline = time.monotonic() + 30
+    while sum(reports.fetched.values()) + sum(reports.failed.values()) < 3 and time.monotonic() < deadline:
+        if (report := worker.build_worker_meta()) is not None:
+            reports.fetched.update(report.fetched)
+            reports.failed.update(report.failed)
+        time.sleep(0.01)
+    assert reports.fetched == Counter(chunk.key for chunk in CHUNKS)
+    assert reports.failed == Counter([late.chunks[0].key])
+    assert len(source.threads) == 2  # the late one never reached the source
+
+
 def test_prefetches_run_on_fetch_threads_and_a_failed_one_puts_nothing_in_the_node_cache(layers) -> None:
     def refuse(chunks):
         raise LookupError("memory service unreachable")
