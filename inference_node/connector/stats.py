@@ -23,8 +23,8 @@ COUNTERS = {
     "tokens_loaded": "prompt tokens written from fact KV into the paged cache",
     "node_cache_lookups": "chunks requests needed when first asked for",
     "node_cache_hits": "of those, chunks already resident in the node cache",
-    "facts_fetched": "chunks fetched from the memory service into a rank's node cache",
-    "sync_misses": "synchronous loads that found a chunk missing from a rank's node cache (a defect)",
+    "facts_fetched": "chunks fetched from the memory service into a rank's node cache (per rank)",
+    "sync_misses": "synchronous loads that found a chunk missing from a rank's node cache (a defect; per rank)",
     "plans_refused": "requests whose load plan was unsigned, altered, for another profile or salt, or with LoRA",
 }
 

@@ -54,6 +54,7 @@ class InferScaleWorker:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin on the device
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache()
+        self._counts_loads = shard.rank == 0  # every rank writes its heads of each load: one counts it for the node
         self._stager = KvStager(self._cache, source, shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
         self._fetcher: ThreadPoolExecutor | None = None
@@ -74,7 +75,8 @@ class InferScaleWorker:
         only), then starts the step's prefetches on the fetch threads. Never raises; never waits on the network."""
         self._cache.remove(metadata.evictions)
         for spec in metadata.loads:
-            self._stats.add("loads")
+            if self._counts_loads:
+                self._stats.add("loads")
             try:
                 started = self._timer.now()
                 layers = self._attention_layers(forward_context)
@@ -187,7 +189,8 @@ class InferScaleWorker:
         if self._cache_dtype_is_model_dtype and caches.writable_by_kernel(self._dtype):
             compose_into_cache(slices, spec.start, *self._rope, caches)  # compose and cache writes in one launch
             self._timer.mark("compose")
-            self._stats.add("tokens_loaded", count)
+            if self._counts_loads:
+                self._stats.add("tokens_loaded", count)
             self._timer.mark("write")
             return
         keys, values = compose_prefix(slices, spec.start, *self._rope, len(layers))
@@ -203,7 +206,8 @@ class InferScaleWorker:
             if tuple(keys[index].shape) != expected:
                 raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
-        self._stats.add("tokens_loaded", count)
+        if self._counts_loads:
+            self._stats.add("tokens_loaded", count)
         self._timer.mark("write")
 
 

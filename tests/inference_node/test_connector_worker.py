@@ -227,6 +227,16 @@ def test_a_prefetched_entry_of_another_shape_dtype_or_tokens_fails_the_prefetch(
     assert worker.take_failed_blocks() == {5, 6}  # nothing of it entered the node cache
 
 
+def test_a_load_is_counted_once_per_node_not_once_per_rank(layers) -> None:
+    """vLLM sums the ranks' stats: loads and tokens loaded come from the first rank alone (loads/prompt-token ratios
+    on the dashboards stay right under tensor parallelism); a missing chunk is counted by the rank that missed it."""
+    for shard, loads in ((KvHeadShard(0, 2), 1), (KvHeadShard(1, 2), 0)):
+        worker = _worker_with(_Source(lambda chunks: []), shard)
+        _load(worker, layers, "r1")  # nothing resident: a sync miss on this rank
+        stats = worker.take_stats()
+        assert stats is not None and (stats.data["loads"], stats.data["sync_misses"]) == (loads, 1)
+
+
 def test_each_rank_checks_its_own_head_shard(layers) -> None:
     synthetic_half = SyntheticKv(KvHeadShard(1, 2).of(KvShape.from_config(HF_CONFIG)))
     worker = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.device("cpu"),
