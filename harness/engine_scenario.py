@@ -285,7 +285,7 @@ def main(mode: str, args: list[str]) -> None:
         answer = answering(request, num_computed_tokens)
         tokens = (directory.budget_bytes - directory.bytes_used) // directory.bytes_per_token + 1
         intruder = ChunkLoad(KvKey(profile.profile_id, "intruder", "f", 1, "0" * 32), tuple(range(tokens)), 0)
-        result["intruder_admitted"] = directory.prefetch("intruder", [intruder], time.monotonic() + 60)
+        result["intruder_admitted"] = directory.prefetch("intruder", [intruder], time.monotonic(), 60)
         return answer
 
     scheduler.get_num_new_matched_tokens = intruding  # type: ignore[method-assign]

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -158,11 +157,10 @@ class NodeCacheDirectory:
     def bytes_used(self) -> int:
         return self._bytes
 
-    def prefetch(self, user_id: str, chunks: Sequence[ChunkLoad], deadline: float,
-                 start_within_s: float = math.inf) -> bool:
+    def prefetch(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> bool:
         """Orders `chunks` (neither resident nor being fetched) fetched into every rank's node cache, evicting least
         recently used chunks that no request holds to make room; False, changing nothing, if they cannot fit. The
-        fetch expires at `deadline`; a rank that cannot start it within `start_within_s` reports it failed."""
+        fetch expires `wait_s` after `now`; a rank that cannot start it within `wait_s` reports it failed."""
         unique = list({chunk.key: chunk for chunk in chunks}.values())
         sizes = [len(chunk.token_ids) * self.bytes_per_token for chunk in unique]
         overflow = self.bytes_used + sum(sizes) - self.budget_bytes
@@ -179,9 +177,9 @@ class NodeCacheDirectory:
             self._bytes -= self._resident.pop(key).num_bytes
         self._evictions.extend(victims)
         for chunk, size in zip(unique, sizes, strict=True):
-            self._fetching[chunk.key] = _Fetch(size, chunk.token_ids, deadline, next(self._fetch_ids))
+            self._fetching[chunk.key] = _Fetch(size, chunk.token_ids, now + wait_s, next(self._fetch_ids))
             self._bytes += size
-        self._prefetches.append(PrefetchSpec(user_id, tuple(unique), start_within_s))
+        self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s))
         return True
 
     def settle(self, report: PrefetchReport) -> None:

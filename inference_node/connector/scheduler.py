@@ -192,7 +192,7 @@ class InferScaleScheduler:
                 to_fetch.append(chunk)
             elif directory.fetch_expired(chunk.key, now):
                 return "its prefetch did not finish in time"
-        if to_fetch and not directory.prefetch(user_id, to_fetch, now + self._fetch_wait_s, self._fetch_wait_s):
+        if to_fetch and not directory.prefetch(user_id, to_fetch, now, self._fetch_wait_s):
             return "its chunks do not fit the node cache"
         admission.waited.update({chunk.key: fetch_id for chunk in missing
                                  if (fetch_id := directory.fetch_id(chunk.key)) is not None})

@@ -83,6 +83,8 @@ class InferScaleWorker:
                 entries = self._stager.resident(spec.chunks)
                 staged_at = self._timer.now()
                 self._write(spec, entries, layers)
+                if self._counts_loads:
+                    self._stats.add("tokens_loaded", spec.end - spec.start)
                 self._timer.record(spec, (staged_at - started) * 1000, staged_at)
             except NotResident as exc:
                 self._stats.add("sync_misses")
@@ -189,8 +191,6 @@ class InferScaleWorker:
         if self._cache_dtype_is_model_dtype and caches.writable_by_kernel(self._dtype):
             compose_into_cache(slices, spec.start, *self._rope, caches)  # compose and cache writes in one launch
             self._timer.mark("compose")
-            if self._counts_loads:
-                self._stats.add("tokens_loaded", count)
             self._timer.mark("write")
             return
         keys, values = compose_prefix(slices, spec.start, *self._rope, len(layers))
@@ -206,8 +206,6 @@ class InferScaleWorker:
             if tuple(keys[index].shape) != expected:
                 raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
-        if self._counts_loads:
-            self._stats.add("tokens_loaded", count)
         self._timer.mark("write")
 
 

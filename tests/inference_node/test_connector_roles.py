@@ -233,10 +233,10 @@ def test_chunks_are_held_from_the_answer_until_the_load_is_sent(monkeypatch, clo
     assert answers == {"r2": MEMORY} and metadata.loads == []
     directory = scheduler._directory
     assert not directory.prefetch("u9", [ChunkLoad(KvKey(PROFILE, "u9", "big", 1, "c" * 32), tuple(range(2042)), 0)],
-                                  deadline=10.0)  # no room without evicting r2's held chunks: refused
+                                  now=0.0, wait_s=10.0)  # no room without evicting r2's held chunks: refused
     assert _step(scheduler, _request("r2"))[0] == {"r2": MEMORY}
     assert directory.prefetch("u9", [ChunkLoad(KvKey(PROFILE, "u9", "big", 1, "c" * 32), tuple(range(2042)), 0)],
-                              deadline=10.0)  # r2's load was sent: its chunks may go (after it, in worker order)
+                              now=0.0, wait_s=10.0)  # r2's load was sent: its chunks may go (after it, in worker order)
 
 
 def test_chunks_already_in_vllms_prefix_cache_are_neither_loaded_nor_needed_resident(scheduler) -> None:

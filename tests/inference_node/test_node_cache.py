@@ -29,7 +29,7 @@ def _report(*facts: int, failed: bool = False, ranks: int = 1) -> PrefetchReport
 
 
 def _fetched(directory: NodeCacheDirectory, *facts: int) -> None:
-    assert directory.prefetch("u", [_chunk(f) for f in facts], deadline=1.0)
+    assert directory.prefetch("u", [_chunk(f) for f in facts], now=0.0, wait_s=1.0)
     directory.settle(_report(*facts))
 
 
@@ -37,7 +37,7 @@ def test_a_chunk_is_resident_only_once_every_rank_fetched_it() -> None:
     """Regression (first for async loads): the hint recorded chunks when their load was sent (also in-flight and
     failed ones)."""
     directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10, ranks=2)
-    assert directory.prefetch("u", [_chunk(0)], deadline=1.0)
+    assert directory.prefetch("u", [_chunk(0)], now=0.0, wait_s=1.0)
     assert [spec.chunks for spec in directory.take_prefetches()] == [(_chunk(0),)]
     assert directory.fetch_id(_key(0)) is not None and not directory.is_resident(_chunk(0))
     directory.settle(_report(0))  # one rank of two
@@ -49,7 +49,7 @@ def test_a_chunk_is_resident_only_once_every_rank_fetched_it() -> None:
 
 def test_a_chunk_one_rank_failed_is_evicted_from_every_rank() -> None:
     directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10, ranks=2)
-    assert directory.prefetch("u", [_chunk(0)], deadline=1.0)
+    assert directory.prefetch("u", [_chunk(0)], now=0.0, wait_s=1.0)
     directory.settle(PrefetchReport(fetched=Counter({_key(0): 1}), failed=Counter({_key(0): 1})))
     assert not directory.is_resident(_chunk(0)) and not directory.fetch_id(_key(0)) is not None
     assert directory.take_evictions() == (_key(0),) and directory.bytes_used == 0
@@ -69,12 +69,12 @@ def test_evicts_least_recently_used_unheld_chunks_within_the_budget() -> None:
 def test_held_and_fetching_chunks_are_never_evicted_and_a_prefetch_that_cannot_fit_changes_nothing() -> None:
     directory = NodeCacheDirectory(budget_bytes=200, bytes_per_token=10)
     _fetched(directory, 0)
-    assert directory.prefetch("u", [_chunk(1)], deadline=1.0)  # being fetched: reserved
+    assert directory.prefetch("u", [_chunk(1)], now=0.0, wait_s=1.0)  # being fetched: reserved
     directory.hold([_key(0)])
-    assert not directory.prefetch("u", [_chunk(2)], deadline=1.0)
+    assert not directory.prefetch("u", [_chunk(2)], now=0.0, wait_s=1.0)
     assert directory.take_evictions() == () and directory.is_resident(_chunk(0)) and directory.bytes_used == 200
     directory.release([_key(0)])
-    assert directory.prefetch("u", [_chunk(2)], deadline=1.0)
+    assert directory.prefetch("u", [_chunk(2)], now=0.0, wait_s=1.0)
     assert directory.take_evictions() == (_key(0),)
 
 
@@ -87,7 +87,7 @@ def test_a_failed_synchronous_load_stops_trusting_its_chunks() -> None:
 
 def test_a_key_is_known_with_one_token_id_tuple_at_a_time() -> None:
     directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
-    assert directory.prefetch("u", [_chunk(0)], deadline=1.0)
+    assert directory.prefetch("u", [_chunk(0)], now=0.0, wait_s=1.0)
     assert directory.knows_other_tokens(_chunk(0, tokens=9)) and not directory.knows_other_tokens(_chunk(0))
     directory.settle(_report(0))
     assert directory.knows_other_tokens(_chunk(0, tokens=9)) and not directory.knows_other_tokens(_chunk(1))
@@ -95,7 +95,7 @@ def test_a_key_is_known_with_one_token_id_tuple_at_a_time() -> None:
 
 def test_a_fetch_expires_at_its_deadline() -> None:
     directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
-    assert directory.prefetch("u", [_chunk(0)], deadline=5.0)
+    assert directory.prefetch("u", [_chunk(0)], now=0.0, wait_s=5.0)
     assert not directory.fetch_expired(_key(0), 5.0) and directory.fetch_expired(_key(0), 5.1)
 
 
