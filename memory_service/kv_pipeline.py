@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import math
 import random
 import time
@@ -46,8 +45,6 @@ log = structlog.get_logger(__name__)
 # Blobs FetchKv holds at once, over every call (each ~4.4 MiB at the Llama-3-8B shape, about three copies while it
 # is written out): the service's memory for fetches is bounded whatever the number of streams.
 FETCH_BLOBS_IN_FLIGHT = 32
-# How long a staging handle is meant to be used for: the facts it names may change (and their KV with them) after it.
-STAGING_TTL_S = 60.0
 # Workers must not guess which of their uploads are audited.
 _AUDIT_SAMPLER = random.SystemRandom()
 
@@ -110,17 +107,6 @@ class CompletionCounts:
     duplicates: int = 0  # KV of the fact was stored already (audit results among them)
     stale: int = 0
     audits: tuple[AuditResult, ...] = ()
-
-
-@dataclass(frozen=True)
-class StagingHandle:
-    """What a RetrieveAndStage found ready: the facts whose KV a node may fetch (FetchKv); no bytes move before it
-    does."""
-
-    handle_id: str
-    fact_ids: list[str]
-    total_bytes: int
-    expires_at: float  # seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -507,14 +493,6 @@ class KvPipeline:
         if missing:
             self._work_queue.enqueue([profile_id], missing)
         return current
-
-    def stage(self, profile_id: str, user_id: str, node_id: str, ready: Sequence[KvEntry]) -> StagingHandle:
-        """The handle naming, for `node_id`, the user's facts whose KV is `ready` to fetch. Nothing is read or moved
-        here: a node fetches what its cache lacks (`fetch`), and only that travels."""
-        covered = "|".join(f"{e.key.fact_id}@{e.key.version}.{e.key.content_id}" for e in ready)
-        digest = hashlib.sha256(f"{profile_id}|{user_id}|{node_id}|{covered}".encode()).hexdigest()
-        return StagingHandle(handle_id=f"stg-{digest[:24]}", fact_ids=[e.key.fact_id for e in ready],
-                             total_bytes=sum(e.nbytes for e in ready), expires_at=time.time() + STAGING_TTL_S)
 
     async def fetch(self, keys: Sequence[KvKey]) -> AsyncIterator[tuple[KvKey, bytes | None]]:
         """Each key with its blob, in order: None where the index does not list exactly that key when its turn comes

@@ -32,7 +32,6 @@ from memory_service.kv_pipeline import (
     KvWorkLease,
     LeaseRequest,
     ProfileKvCounts,
-    StagingHandle,
 )
 from memory_service.kv_store import TieredKvStore
 from memory_service.kv_tiers import TierStats
@@ -66,7 +65,6 @@ class RetrievalRequest:
     user_id: str
     top_k: int
     profile: AnnouncedProfile
-    node_id: str
     query: Query
     mode: RetrievalMode
 
@@ -81,7 +79,6 @@ class RetrievedFact:
 @dataclass(frozen=True)
 class Retrieval:
     facts: list[RetrievedFact]  # best first
-    staging: StagingHandle | None  # None when no retrieved fact's KV is ready
     header_content_id: str  # of the profile's header KV; empty when it is not stored
 
 
@@ -247,9 +244,7 @@ class MemoryOperations:
         self._metrics.kv_lookups.inc(len(results))
         self._metrics.kv_ready.inc(len(entries))
         facts = [RetrievedFact(r.fact, r.score, entries.get(r.fact.fact_id)) for r in results]
-        ready = [fact.kv for fact in facts if fact.kv is not None]
-        staging = self._kv_pipeline.stage(profile_id, user_id, request.node_id, ready) if ready else None
-        return Retrieval(facts, staging, header.key.content_id if header else "")
+        return Retrieval(facts, header.key.content_id if header else "")
 
     async def announce_profile(self, profile: AnnouncedProfile, header_kv: KvUpload | None, announcer: Announcer,
                                caller: Principal) -> int:

@@ -20,7 +20,7 @@ from memory_service.config import Limits
 from memory_service.coordination.work_queue import Job
 from memory_service.coordination.workers import WorkerDevice
 from memory_service.errors import InvalidArgument
-from memory_service.kv_pipeline import LeaseRequest, StagingHandle
+from memory_service.kv_pipeline import LeaseRequest
 from memory_service.metrics import ServiceMetrics
 from memory_service.models import Announcer, IngestOutcome, Query, RetrievalMode, StoredFact
 from memory_service.operations import MemoryOperations, Retrieval, RetrievalRequest, ServiceStats
@@ -96,11 +96,6 @@ def _fact_message(fact: StoredFact) -> pb.Fact:
     return message
 
 
-def _staging_message(staging: StagingHandle) -> pb.StagingHandle:
-    return pb.StagingHandle(handle_id=staging.handle_id, fact_ids=staging.fact_ids, total_bytes=staging.total_bytes,
-                            expires_at=_seconds_timestamp(staging.expires_at))
-
-
 def _retrieval_message(retrieval: Retrieval) -> pb.RetrieveAndStageResponse:
     facts = [
         pb.RetrievedFact(
@@ -109,10 +104,7 @@ def _retrieval_message(retrieval: Retrieval) -> pb.RetrieveAndStageResponse:
             content_id=r.kv.key.content_id if r.kv else "", created_at=_timestamp(r.fact.created_at_us))
         for rank, r in enumerate(retrieval.facts, start=1)
     ]
-    response = pb.RetrieveAndStageResponse(facts=facts, header_content_id=retrieval.header_content_id)
-    if retrieval.staging is not None:
-        response.staging.CopyFrom(_staging_message(retrieval.staging))
-    return response
+    return pb.RetrieveAndStageResponse(facts=facts, header_content_id=retrieval.header_content_id)
 
 
 def _stats_message(stats: ServiceStats) -> pb.GetStatsResponse:
@@ -233,10 +225,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         user_id = validate_id(request.user_id, "user_id")
         top_k = resolve_top_k(request.top_k, self._limits)
         profile = validate_announced_profile(request.profile)
-        node_id = validate_id(request.node_id, "node_id")
+        validate_id(request.node_id, "node_id")  # required of every node, though the service uses it for nothing
         query, mode = self._retrieval(request)
-        retrieval = RetrievalRequest(user_id=user_id, top_k=top_k, profile=profile, node_id=node_id, query=query,
-                                     mode=mode)
+        retrieval = RetrievalRequest(user_id=user_id, top_k=top_k, profile=profile, query=query, mode=mode)
         return _retrieval_message(await self._operations.retrieve_and_stage(retrieval))
 
     @rpc

@@ -163,7 +163,6 @@ def test_retrieve_and_stage_returns_ranked_facts_marked_not_ready(stub) -> None:
     )
     assert [fact.fact_id for fact in response.facts][0] == "pet"
     assert all(not fact.kv_ready and not fact.token_ids for fact in response.facts)
-    assert not response.HasField("staging")
     listed = {f.fact_id: f.created_at for f in stub.ListFacts(pb.ListFactsRequest(user_id="rt-stage")).facts}
     assert all(fact.created_at == listed[fact.fact_id] and fact.created_at.seconds for fact in response.facts)
 
