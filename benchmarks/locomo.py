@@ -15,7 +15,7 @@ storage), then for each question of a stratified subset (categories 1-4):
 - retrieval recall@k of the evidence turns (a retrieved fact covers every turn it cites), k = 5, 10, 20, 50, beside
   its ceiling: the share of the evidence turns that some fact cites at all;
 - the gold answer's teacher-forced NLL per token under `text` (the serving prompt prefilled) and under `kv`
-  (the same prompt with its memory prefix injected: the node's own staging and Chunked-RoPE compose over the
+  (the same prompt with its memory prefix injected: the node's own node-cache fetch and Chunked-RoPE compose over the
   KV fetched from the memory service, all but the last m facts with a recomputed tail of m); lower is better;
 - greedy answers under both, scored by token F1 against the gold answer;
 - per variant and category, 95% paired bootstrap intervals of kv - text for NLL and F1 (the same questions,
@@ -170,7 +170,7 @@ class Evaluator:
 
         from inference_node.connector.kv_source import kv_source
         from inference_node.connector.node_cache import NodeKvCache
-        from inference_node.connector.staging import KvStager
+        from inference_node.connector.residency import KvResidency
         from inference_node.settings import NodeSettings
         from inferscale_kv.layout import memory_header_ids
         from inferscale_kv.rope import RotaryTables
@@ -183,8 +183,8 @@ class Evaluator:
         self.cos, self.sin = tables.cos, tables.sin
         settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
                                 fetch_timeout_s=120.0)
-        self.stager = KvStager(NodeKvCache(), kv_source(settings, self.model.config),
-                               KvShape.from_config(self.model.config))
+        self.residency = KvResidency(NodeKvCache(), kv_source(settings, self.model.config),
+                                     KvShape.from_config(self.model.config))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
@@ -213,9 +213,9 @@ class Evaluator:
         end, chunks = proof.end, proof.chunks
         if not end:
             raise LookupError("the connector would claim nothing of this prompt")
-        self.stager.fetch(user_id, chunks, torch.device("cpu"), torch.float32, None)
+        self.residency.fetch(user_id, chunks, torch.device("cpu"), torch.float32, None)
         slices = [ChunkSlice(e.keys, e.values, 0, min(len(c.token_ids), end - c.offset))
-                  for c, e in zip(chunks, self.stager.resident(chunks), strict=True) if c.offset < end]
+                  for c, e in zip(chunks, self.residency.resident(chunks), strict=True) if c.offset < end]
         layers = self.model.config.num_hidden_layers
         keys, values = compose_prefix(slices, 0, self.cos, self.sin, layers, fused=False)
         cache = DynamicCache()

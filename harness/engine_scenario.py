@@ -169,8 +169,8 @@ def main(mode: str, args: list[str]) -> None:
                          local_kv[chunk.key.content_id].values.to(on_device, in_dtype).contiguous(), chunk.token_ids)
                 for chunk in chunks]
 
-    source = ScenarioKv(worker._stager._fetch if mode == "service" else local_fetch)
-    worker._stager._fetch = source.fetch
+    source = ScenarioKv(worker._residency._fetch if mode == "service" else local_fetch)
+    worker._residency._fetch = source.fetch
 
     # Spies: the connector's answers per request (how many times "not yet", the claims, whether any was async), and
     # after how many of vLLM's scheduling passes each request was admitted (1: in the first step after it arrived).

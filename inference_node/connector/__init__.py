@@ -6,10 +6,10 @@ thin façade, as vLLM's own NIXL connector is: in the scheduler process it holds
 (scheduler.py), in each worker an `InferScaleWorker` (worker.py). The two roles share no state; they talk only
 through the typed metadata (metadata.py: scheduler to workers once per step, and the workers' prefetch reports back
 through vLLM's `KVConnectorOutput`, with the blocks of failed loads); their counters travel as `LoadStats`
-(stats.py). The rest of the package serves the roles: the node cache (node_cache.py), staging and where missing KV
-comes from (staging.py, kv_source.py), composition into the paged cache (compose.py), tensor-parallel head shards
-(tensor_parallel.py) and benchmark load timing (load_timer.py). The load plan the scheduler verifies is the
-middleware's (inference_node.plan).
+(stats.py). The rest of the package serves the roles: the node cache (node_cache.py), residency in it and where
+missing KV comes from (residency.py, kv_source.py), composition into the paged cache (compose.py), tensor-parallel
+head shards (tensor_parallel.py) and benchmark load timing (load_timer.py). The load plan the scheduler verifies is
+the middleware's (inference_node.plan).
 
 Contract of the hooks, as InferScale implements them (scheduler.py's docstring lists every way a load could fail
 and what closes it):

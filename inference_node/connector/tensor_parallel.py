@@ -1,4 +1,5 @@
-"""Which KV heads a tensor-parallel rank holds, so that staging keeps only that rank's slice of each fact's KV.
+"""Which KV heads a tensor-parallel rank holds, so that a fetch into the node cache keeps only that rank's slice of
+each fact's KV.
 
 vLLM shards attention by KV head: with `total` KV heads and `size` ranks, rank r holds heads
 [r * total / size, (r + 1) * total / size) when total >= size, and otherwise the single head r // (size / total),

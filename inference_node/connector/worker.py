@@ -26,7 +26,7 @@ from inference_node.connector.kv_source import KvSource, kv_source
 from inference_node.connector.load_timer import LoadTimer, load_timer
 from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
 from inference_node.connector.node_cache import CachedKv, NodeKvCache
-from inference_node.connector.staging import KvStager, NotResident
+from inference_node.connector.residency import KvResidency, NotResident
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard, current_shard
 from inference_node.settings import NodeSettings
@@ -55,7 +55,8 @@ class InferScaleWorker:
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache()
         self._counts_loads = shard.rank == 0  # every rank writes its heads of each load: one counts it for the node
-        self._stager = KvStager(self._cache, source, shard.of(KvShape.from_config(self._model_config.hf_config)))
+        self._residency = KvResidency(self._cache, source,
+                                      shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
         self._fetcher: ThreadPoolExecutor | None = None
         self._prefetching: list[tuple[PrefetchSpec, Future[int]]] = []
@@ -80,7 +81,7 @@ class InferScaleWorker:
             try:
                 started = self._timer.now()
                 layers = self._attention_layers(forward_context)
-                entries = self._stager.resident(spec.chunks)
+                entries = self._residency.resident(spec.chunks)
                 staged_at = self._timer.now()
                 self._write(spec, entries, layers)
                 if self._counts_loads:
@@ -116,7 +117,7 @@ class InferScaleWorker:
         backlog of fetches nobody waits for would make every later cold request wait out its deadline)."""
         if time.monotonic() > start_by:
             raise TimeoutError(f"no fetch thread free within {spec.start_within_s:.1f} s")
-        return self._stager.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream)
+        return self._residency.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream)
 
     def build_worker_meta(self) -> PrefetchReport | None:
         """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""

@@ -1,5 +1,6 @@
-"""Tensor-parallel staging on CPU: each simulated rank fetches a fact's KV from a real memory service, keeps only
-its KV heads, and composes (RoPE to the final positions) exactly the TP=1 composition's slice of those heads."""
+"""Tensor-parallel fetches into the node cache on CPU: each simulated rank fetches a fact's KV from a real memory
+service, keeps only its KV heads, and composes (RoPE to the final positions) exactly the TP=1 composition's slice of
+those heads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from inference_node.connector.compose import ChunkSlice, compose_prefix
 from inference_node.connector.kv_source import kv_source
 from inference_node.connector.node_cache import NodeKvCache
-from inference_node.connector.staging import KvStager
+from inference_node.connector.residency import KvResidency
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard
 from inference_node.plan import ChunkLoad
 from inference_node.settings import NodeSettings
@@ -65,23 +66,23 @@ def staged_facts(node_stub, tiny_llama_dir, profile) -> list[ChunkLoad]:
     return chunks
 
 
-def _stager(memory_service, model_dir, shard: KvHeadShard) -> KvStager:
+def _residency(memory_service, model_dir, shard: KvHeadShard) -> KvResidency:
     settings = NodeSettings(memory_service=memory_service.address, node_id=f"tp-rank-{shard.rank}",
                             model_dir=str(model_dir))
     config = AutoConfig.from_pretrained(model_dir)
-    return KvStager(NodeKvCache(), kv_source(settings, config, shard), shard.of(KvShape.from_config(config)))
+    return KvResidency(NodeKvCache(), kv_source(settings, config, shard), shard.of(KvShape.from_config(config)))
 
 
-def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
+def test_each_rank_fetches_and_composes_exactly_its_heads_of_the_tp1_composition(
         node_memory_service, tiny_llama_dir, staged_facts, profile) -> None:
     config = AutoConfig.from_pretrained(tiny_llama_dir)
     tables = RotaryTables.from_config(config, 256)
     cpu = torch.device("cpu")
 
     def composed(shard: KvHeadShard) -> tuple[torch.Tensor, torch.Tensor]:
-        stager = _stager(node_memory_service, tiny_llama_dir, shard)
-        assert stager.fetch(USER, staged_facts, cpu, torch.float32, None) == len(staged_facts)
-        slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in stager.resident(staged_facts)]
+        residency = _residency(node_memory_service, tiny_llama_dir, shard)
+        assert residency.fetch(USER, staged_facts, cpu, torch.float32, None) == len(staged_facts)
+        slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in residency.resident(staged_facts)]
         return compose_prefix(slices, 5, tables.cos.float(), tables.sin.float(), config.num_hidden_layers,
                               fused=False)
 
@@ -96,8 +97,8 @@ def test_each_rank_stages_and_composes_exactly_its_heads_of_the_tp1_composition(
 
 def test_a_rank_caches_only_its_share_of_the_bytes(node_memory_service, tiny_llama_dir, staged_facts,
                                                    profile) -> None:
-    whole = _stager(node_memory_service, tiny_llama_dir, UNSHARDED)
-    half = _stager(node_memory_service, tiny_llama_dir, KvHeadShard(1, 2))
-    for stager in (whole, half):
-        stager.fetch(USER, staged_facts, torch.device("cpu"), torch.float32, None)
+    whole = _residency(node_memory_service, tiny_llama_dir, UNSHARDED)
+    half = _residency(node_memory_service, tiny_llama_dir, KvHeadShard(1, 2))
+    for residency in (whole, half):
+        residency.fetch(USER, staged_facts, torch.device("cpu"), torch.float32, None)
     assert half.cache.bytes_used * 2 == whole.cache.bytes_used > 0

@@ -1,4 +1,4 @@
-"""Staging: the node cache's side of a load. A synchronous load reads its chunks from the node cache alone
+"""Node-cache residency: the node cache's side of a load. A synchronous load reads its chunks from the node cache alone
 (`resident`, engine thread: a missing chunk is a defect); a prefetch brings the chunks the node cache lacks from the
 worker's KV source (`fetch`, fetch threads only: kv_source.py, the memory service or synthetic KV in speed runs),
 and checks each against this rank's KV shape and the model dtype before it enters the cache.
@@ -20,7 +20,9 @@ class NotResident(LookupError):
     """A synchronous load found a chunk missing from the node cache (a defect: it is never fetched inline)."""
 
 
-class KvStager:
+class KvResidency:
+    """Which of a load's chunks are resident in this rank's node cache, and fetching the missing ones into it."""
+
     def __init__(self, cache: NodeKvCache, source: KvSource, rank_shape: KvShape) -> None:
         self.cache = cache
         self.rank_shape = rank_shape
