@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from inferscale_kv.kv_key import KvKey
+from inferscale_kv.shape import KvShape
 
 MAGIC = b"ISKV"
 _PREFIX = struct.Struct("<4sII")
@@ -52,6 +53,10 @@ class KvBlobHeader:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def kv_shape(self) -> KvShape:
+        return KvShape(self.num_layers, self.num_kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True)

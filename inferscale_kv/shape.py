@@ -1,4 +1,5 @@
-"""The KV shape of a Llama-family model config: what workers store per fact and nodes write per token."""
+"""The KV shape of a Llama-family model config: what workers store per fact, the memory service checks of every blob
+of a profile, and nodes write per token."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KvShape:
+    """The per-token layout of KV (layers x KV heads x head dim): every blob of a profile has the same."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int

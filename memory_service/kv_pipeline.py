@@ -1,6 +1,6 @@
 """The KV pipeline: which facts need KV for which profile, leasing that work to precompute workers, accepting their
 uploads (and the profiles' headers), auditing them, and serving stored KV. Wire-format free: the servicer translates
-messages, and its inputs are validated (memory_service.validation).
+messages into checked records (memory_service.validation); what KV must be is memory_service.kv_checks'.
 
 The audit: a share of new fact KV (sampled per user and completion, so that an auditor encodes the sampled facts of a
 conversation window together) and every header is computed again by another worker and compared within the storage
@@ -27,6 +27,7 @@ import structlog
 
 from inferscale_kv.blob import read_kv_header
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
+from inferscale_kv.shape import KvShape
 from memory_service.blocking import run_blocking
 from memory_service.coordination.audits import DISPUTE_REASON, Audit, KvAudits, QuarantinedBlob
 from memory_service.coordination.kv_index import KvEntry, KvIndex
@@ -35,10 +36,15 @@ from memory_service.coordination.work_queue import Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
 from memory_service.errors import InvalidArgument, NotFound
 from memory_service.fact_store import FactStore
-from memory_service.kv_checks import AUDIT_TOLERANCES, kv_difference, served_content_id, with_content_id
+from memory_service.kv_checks import (
+    AUDIT_TOLERANCES,
+    check_kv_fits_profile,
+    kv_difference,
+    served_content_id,
+    with_content_id,
+)
 from memory_service.kv_store import TieredKvStore
-from memory_service.models import AnnouncedProfile, KvShape, KvUpload, StoredFact, StoredTurn
-from memory_service.validation import check_kv_fits_profile
+from memory_service.models import AnnouncedProfile, KvUpload, StoredFact, StoredTurn
 
 log = structlog.get_logger(__name__)
 
@@ -191,8 +197,7 @@ class KvPipeline:
             entry = await self.header_entry(profile_id) or await run_blocking(self._kv_index.any_entry, profile_id)
             blob = await run_blocking(self._kv_store.get, entry.key) if entry else None
             if blob is not None:
-                header = read_kv_header(blob)
-                self._shapes[profile_id] = KvShape(header.num_layers, header.num_kv_heads, header.head_dim)
+                self._shapes[profile_id] = read_kv_header(blob).kv_shape
         return self._shapes.get(profile_id)
 
     async def _check_fit(self, profile_id: str, kv_dtype: str, uploads: Sequence[KvUpload], field: str) -> None:
@@ -218,9 +223,7 @@ class KvPipeline:
         """kv_checks.kv_difference of an upload from a stored entry, infinite when the upload's content id is not the
         one the entry was computed under or its layout is not the entry's."""
         served, _ = await self._served(upload)
-        stored_header = read_kv_header(stored_blob)
-        if served.key != stored.key or upload.shape != KvShape(stored_header.num_layers, stored_header.num_kv_heads,
-                                                               stored_header.head_dim):
+        if served.key != stored.key or upload.shape != read_kv_header(stored_blob).kv_shape:
             return math.inf
         return await run_blocking(kv_difference, stored_blob, upload.blob)
 

@@ -11,6 +11,7 @@ from enum import Enum
 import numpy as np
 
 from inferscale_kv.kv_key import KvKey
+from inferscale_kv.shape import KvShape
 
 
 @dataclass(frozen=True)
@@ -122,15 +123,6 @@ class Announcer:
 
     announcer_id: str
     role: str
-
-
-@dataclass(frozen=True)
-class KvShape:
-    """The per-token layout of a profile's KV: every blob of the profile has the same."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Request validation: turns wire messages into domain records or raises InvalidArgument/LimitExceeded.
 
 A handler checks every field of its request here before it calls the domain, so a rejected call changes nothing.
+What KV blobs must be is memory_service.kv_checks', which the KV messages here call.
 """
 
 from __future__ import annotations
@@ -9,35 +10,27 @@ import base64
 import binascii
 import hashlib
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, read_kv_header
 from inferscale_kv.ids import ID_PATTERN as _ID_PATTERN
 from inferscale_kv.ids import ID_RULE as _ID_RULE
 from inferscale_kv.ids import MAX_ID_CHARS
-from inferscale_kv.kv_key import header_key
-from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import ALL_PRECEDING_TURNS, KV_DTYPES, KvProfileLike, kv_profile_id, profile_fields
 from memory_service.config import Limits
 from memory_service.errors import InvalidArgument, LimitExceeded
-from memory_service.kv_checks import non_finite_values
+from memory_service.kv_checks import check_names_fact, check_names_header, checked_upload
 from memory_service.models import (
     AnnouncedProfile,
     FactKvRef,
-    KvShape,
     KvUpload,
     NewFact,
     NewTurn,
     Query,
     RetrievalMode,
 )
-
-_CONTENT_ID = re.compile(r"[0-9a-f]{32}")
-MAX_TOKEN_ID = 2**31  # token ids travel as int32 (RetrievedFact.token_ids)
 
 
 class TimestampLike(Protocol):
@@ -280,62 +273,11 @@ def validate_announced_profile(profile: KvProfileLike, field: str = "profile") -
     return AnnouncedProfile(validate_profile(profile, field), profile_fields(profile))
 
 
-def _kv_blob_header(blob: bytes, field: str) -> KvBlobHeader:
-    """The header of a blob whose checksum holds, whose header fields have their types and whose values are all
-    finite."""
-    try:
-        header = read_kv_header(blob)
-    except CorruptKvBlob as exc:
-        raise InvalidArgument(field, str(exc)) from None
-    except (KeyError, TypeError, ValueError, OverflowError):  # header fields of the wrong type or an unknown dtype
-        raise InvalidArgument(field, "unreadable header (a field of the wrong type, or an unknown storage "
-                              "dtype)") from None
-    texts = (header.profile_id, header.user_id, header.fact_id, header.storage_dtype, header.content_id)
-    numbers = (header.version, *header.shape, *header.token_ids)
-    if not all(isinstance(text, str) for text in texts) or not all(
-            isinstance(number, int) and not isinstance(number, bool) for number in numbers):
-        raise InvalidArgument(field, "unreadable header (a field of the wrong type)")
-    if not _CONTENT_ID.fullmatch(header.content_id):
-        raise InvalidArgument(field, "content_id must be 32 lowercase hex digits (inferscale_kv.kv_key.content_id)")
-    if header.storage_dtype not in KV_DTYPES:
-        raise InvalidArgument(field, f"storage dtype {header.storage_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    if min(header.shape) < 1 or len(header.token_ids) != header.num_tokens:
-        raise InvalidArgument(field, f"shape {header.shape} with {len(header.token_ids)} token ids: every dimension "
-                              "must be positive, with one token id per token")
-    if not all(0 <= token < MAX_TOKEN_ID for token in header.token_ids):
-        raise InvalidArgument(field, f"token ids must be in [0, {MAX_TOKEN_ID})")
-    if non_finite_values(blob):
-        raise InvalidArgument(field, "keys or values hold a NaN or an infinity")
-    return header
-
-
-def _upload(header: KvBlobHeader, blob: bytes) -> KvUpload:
-    return KvUpload(header.key, header.token_ids, blob, header.storage_dtype,
-                    KvShape(header.num_layers, header.num_kv_heads, header.head_dim))
-
-
 def validate_header_kv(blob: bytes, profile: AnnouncedProfile, field: str = "header_kv") -> KvUpload:
-    """A profile's memory header KV: it must name the profile's header, encoded behind nothing, whose token ids hash to
-    the profile's header_hash (inferscale_kv.model_profile)."""
-    header = _kv_blob_header(blob, field)
-    expected = header_key(profile.profile_id, header.token_ids)
-    if header.key != expected:
-        raise InvalidArgument(field, f"must name {expected} (the profile's header, encoded behind nothing)")
-    if token_hash(header.token_ids) != profile.fields["header_hash"]:
-        raise InvalidArgument(field, "its token ids are not the profile's memory header (their hash is not the "
-                              "profile's header_hash)")
-    return _upload(header, blob)
-
-
-def check_kv_fits_profile(upload: KvUpload, kv_dtype: str, shape: KvShape | None, field: str) -> None:
-    """An upload's storage dtype must be the profile's, and its layout that of the KV already stored for the profile
-    (`shape`; None: nothing stored yet)."""
-    if upload.storage_dtype != kv_dtype:
-        raise InvalidArgument(field, f"stored as {upload.storage_dtype}; the profile's kv_dtype is {kv_dtype}")
-    if shape is not None and upload.shape != shape:
-        raise InvalidArgument(field, f"{upload.shape.num_layers} layers x {upload.shape.num_kv_heads} KV heads x "
-                              f"{upload.shape.head_dim} dims; the profile's stored KV has {shape.num_layers} x "
-                              f"{shape.num_kv_heads} x {shape.head_dim}")
+    """A profile's memory header KV (kv_checks.checked_upload, kv_checks.check_names_header)."""
+    upload = checked_upload(blob, field)
+    check_names_header(upload, profile, field)
+    return upload
 
 
 class FactKvUploadLike(Protocol):
@@ -347,13 +289,12 @@ class FactKvUploadLike(Protocol):
 
 def validate_fact_kv(uploads: Sequence[FactKvUploadLike], profile_id: str,
                      field: str = "results") -> list[KvUpload]:
-    """A worker's fact KV: each blob must name the profile, fact and version it is uploaded for, with finite
-    values."""
+    """A worker's fact KV, each blob checked (kv_checks.checked_upload) and naming the profile, fact and version it is
+    uploaded for (kv_checks.check_names_fact)."""
     validated: list[KvUpload] = []
     for index, upload in enumerate(uploads):
-        header = _kv_blob_header(upload.blob, f"{field}[{index}].blob")
-        if (header.profile_id, header.user_id, header.fact_id, header.version) != (
-                profile_id, upload.user_id, upload.fact_id, upload.version) or header.key.is_header:
-            raise InvalidArgument(f"{field}[{index}].blob", "header names another profile, fact or version")
-        validated.append(_upload(header, upload.blob))
+        blob_field = f"{field}[{index}].blob"
+        checked = checked_upload(upload.blob, blob_field)
+        check_names_fact(checked, profile_id, upload.user_id, upload.fact_id, upload.version, blob_field)
+        validated.append(checked)
     return validated
