@@ -63,10 +63,8 @@ def retrieved(tokenizer, k: int, clauses: int) -> pb.RetrieveAndStageResponse:
 
 
 def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageResponse):
-    from inference_node.memory_prompt import FactLines, MemoryTokens
     from inference_node.middleware import MemoryMiddleware
-    from inferscale_kv.layout import memory_header_text
-    from inferscale_kv.stored_text import StoredTextGuard
+    from inference_node.placement import PromptParts
 
     async def app(scope, receive, send) -> None:
         message = await receive()
@@ -78,12 +76,8 @@ def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageRespons
     os.environ.setdefault(PLAN_SECRET_ENV, secrets.token_hex(32))
     middleware = MemoryMiddleware(app)
     # What its first request would load, with the memory service's stand-in in place of the channel.
-    middleware._tokenizer = tokenizer
-    middleware._header_ids = memory_header_ids(tokenizer)
-    middleware._header_text = memory_header_text(tokenizer)
-    middleware._fact_lines = FactLines(StoredTextGuard.for_tokenizer(tokenizer))
-    middleware._memory_tokens = MemoryTokens(tokenizer)
-    middleware._stub = _Service(response)
+    middleware._placement._parts = PromptParts.for_tokenizer(tokenizer)
+    middleware._retriever._stub = _Service(response)
     return middleware, app
 
 

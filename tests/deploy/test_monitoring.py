@@ -127,7 +127,7 @@ def test_every_alert_has_a_severity_a_summary_and_says_what_to_look_at_first():
 def test_dropped_memory_is_watched_by_the_reasons_the_node_counts():
     """The node's drop reasons as the queries select them: only reasons the middleware counts, a deadline alert and
     an unreachable alert of their own, and an alert on every reason together."""
-    from inference_node.middleware import DROP_DEADLINE, DROP_REASONS, DROP_UNAVAILABLE
+    from inference_node.retrieval import DROP_DEADLINE, DROP_REASONS, DROP_UNAVAILABLE
 
     metric = "inferscale_node_memory_dropped_total"
     reasons_by_alert: dict[str, set[str]] = {}

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference_node.memory_prompt import FACT_ORDERS
-from inference_node.middleware import MEMORY_FIELDS, MODES, RETRIEVAL_MODES, MemoryRequestError, parse_memory
+from inference_node.memory_request import MEMORY_FIELDS, MODES, RETRIEVAL_MODES, MemoryRequestError, parse_memory
 from inference_node.settings import NodeSettings
 from inferscale_kv.ids import is_valid_id
 

@@ -13,13 +13,8 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from inference_node.middleware import (
-    DROP_DEADLINE,
-    DROP_ERROR,
-    DROP_REASONS,
-    DROP_UNAVAILABLE,
-    MemoryMiddleware,
-)
+from inference_node.middleware import MemoryMiddleware
+from inference_node.retrieval import DROP_DEADLINE, DROP_ERROR, DROP_REASONS, DROP_UNAVAILABLE
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
@@ -176,7 +171,7 @@ class RefusingStub:
 def test_a_value_of_the_request_the_memory_service_refuses_is_a_400_naming_the_requests_field(
         served, code, details, field) -> None:
     middleware, app = served
-    middleware.middleware._stub = RefusingStub(code, details)
+    middleware.middleware._retriever._stub = RefusingStub(code, details)
     dropped = _dropped()
     status, answer, summary = _chat(middleware, {})
     assert status == 400 and not summary and app.bodies == []
@@ -196,7 +191,7 @@ def test_a_value_of_the_request_the_memory_service_refuses_is_a_400_naming_the_r
 def test_a_failure_that_is_not_the_requests_answers_without_memory_and_says_so(served, code, details,
                                                                                 reason) -> None:
     middleware, app = served
-    middleware.middleware._stub = RefusingStub(code, details)
+    middleware.middleware._retriever._stub = RefusingStub(code, details)
     dropped = _dropped()
     status, _, summary = _chat(middleware, {})
     assert status == 200 and len(app.bodies) == 1

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from harness.inference_node import InferenceNodeProcess
 from inference_node.memory_prompt import FACT_ORDERS
-from inference_node.middleware import MODES
+from inference_node.memory_request import MODES
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.ids import ID_PATTERN, MAX_ID_CHARS
 from tests.conftest import run_worker

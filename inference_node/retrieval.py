@@ -1,0 +1,121 @@
+"""The node's RetrieveAndStage call for one memory request: built from the request's `memory` and question (the query
+embedded on this node with --embed-queries-locally), under the --retrieve-timeout-s deadline, its latency observed.
+
+The memory service refusing a value the request gave (INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming `user_id`,
+`top_k`, `retrieval` or `query`) is the client's to fix: a RequestRefused naming the request's own field, with the
+service's message. Any other failure (unreachable, past the deadline, the node's own configuration refused) is the
+one case a memory request is answered without its memory: Dropped, with its reason, counted.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from inference_node.memory_request import RETRIEVAL_MODES, MemoryRequest, RequestRefused
+from inference_node.query_embedding import LocalQueryEmbedder
+from inference_node.settings import NodeSettings
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
+
+DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
+DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
+MEMORY_DROPPED = Counter("inferscale_node_memory_dropped", "memory requests answered without their memory because "
+                         "RetrieveAndStage failed, by reason (deadline: past --retrieve-timeout-s; unavailable: no "
+                         "replica answered; error: any other status)", ["reason"])
+for _reason in DROP_REASONS:  # each reason's series exists from the start, at 0 in a healthy run
+    MEMORY_DROPPED.labels(reason=_reason)
+_DROP_REASON_OF_CODE = {grpc.StatusCode.DEADLINE_EXCEEDED: DROP_DEADLINE, grpc.StatusCode.UNAVAILABLE: DROP_UNAVAILABLE}
+# The memory service refusing what a request asked: a RetrieveAndStage field the request's own values fill (the
+# service's message starts with it) -> the request's field. Refusing any other field (the node's profile, node id or
+# query embedding) is the node's configuration disagreeing with the service: the memory is dropped (reason error).
+_REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_REQUEST_FIELD_OF = {"user_id": "memory.user_id", "top_k": "memory.top_k", "retrieval": "memory.retrieval"}
+STAGE_SECONDS = Histogram("inferscale_node_stage_seconds", "RetrieveAndStage latency seen by the node",
+                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    response: pb.RetrieveAndStageResponse
+    seconds: float  # from building the call to its answer (a local query embedding included)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The memory service failed the call: the request is answered without its memory."""
+
+    reason: str  # DROP_REASONS
+    code: grpc.StatusCode
+
+    def summary_fields(self) -> dict[str, Any]:
+        """What the request's x-inferscale-memory says of it."""
+        return {"memory": "dropped", "reason": self.reason, "error": f"memory service: {self.code.name}", "facts": 0,
+                "injectable_tokens": 0}
+
+
+class MemoryRetriever:
+    """The node's side of RetrieveAndStage: its KV profile, its id and credential, and the channel to the memory
+    service (opened on first use)."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+        self._profile = pb.KvProfile(**settings.profile)
+        self._query_embedder = LocalQueryEmbedder(settings.embedding_model) if settings.embed_queries_locally else None
+        self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
+        self._call_metadata: tuple[tuple[str, str], ...] = ()
+
+    def _connected(self) -> memory_pb2_grpc.MemoryServiceStub:
+        if self._stub is None:
+            channel = memory_service_aio_channel(self.settings.memory_service, NODE)
+            self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            self._call_metadata = bearer_metadata(NODE)
+        return self._stub
+
+    async def retrieve(self, memory: MemoryRequest, query: str, path: str) -> Retrieved | Dropped:
+        """The user's facts for `query` (a dropped memory counted by its reason); RequestRefused where the memory
+        service refused a value the request on `path` gave."""
+        stub = self._connected()
+        started = time.perf_counter()
+        request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k,
+                                             profile=self._profile, node_id=self.settings.node_id,
+                                             retrieval=RETRIEVAL_MODES.get(memory.retrieval,
+                                                                           pb.RETRIEVAL_MODE_UNSPECIFIED))
+        if self._query_embedder is not None and memory.retrieval != "keyword":  # keyword ranks the text alone
+            vector, model_id = await self._query_embedder.embed(query)
+            request.query_vector.extend(vector)
+            request.embedding_model_id = model_id
+        try:
+            response = await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
+                                                   metadata=self._call_metadata)
+        except grpc.aio.AioRpcError as exc:
+            refused = _refused_by_service(exc, path)
+            if refused is not None:
+                raise refused from None
+            dropped = Dropped(_DROP_REASON_OF_CODE.get(exc.code(), DROP_ERROR), exc.code())
+            MEMORY_DROPPED.labels(reason=dropped.reason).inc()
+            return dropped
+        seconds = time.perf_counter() - started
+        STAGE_SECONDS.observe(seconds)
+        return Retrieved(response, seconds)
+
+
+def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefused | None:
+    """The request refused (400, named by its own field, with the service's message) when the memory service
+    refused a value the request gave (INVALID_ARGUMENT or RESOURCE_EXHAUSTED: e.g. a top_k past its --max-top-k, a
+    query past its --max-query-chars); None for any other failure."""
+    if error.code() not in _REFUSAL_CODES:
+        return None
+    details = error.details() or ""
+    service_field = re.split(r"[.\[:]", details, maxsplit=1)[0]
+    question_field = "prompt" if path == "/v1/completions" else "messages"
+    field = question_field if service_field == "query" else _REQUEST_FIELD_OF.get(service_field)
+    if field is None:
+        return None
+    return RequestRefused(f"{field}: the memory service refused it ({error.code().name}: {details[:500]})")
