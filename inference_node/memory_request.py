@@ -23,6 +23,7 @@ from inference_node.memory_prompt import FACT_ORDERS
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.ids import ID_RULE, is_valid_id
+from inferscale_kv.limits import MAX_QUERY_CHARS
 
 MEMORY_PATHS = {"/v1/chat/completions", "/v1/completions"}
 MODES = ("kv", "text", "off")
@@ -31,8 +32,6 @@ MEMORY_FIELDS = ("user_id", "top_k", "mode", "order", "recompute_tail_facts", "k
 RETRIEVAL_MODES = {"vector": pb.RETRIEVAL_MODE_VECTOR, "keyword": pb.RETRIEVAL_MODE_KEYWORD,
                    "hybrid": pb.RETRIEVAL_MODE_HYBRID}
 MAX_MEMORY_TOKENS = 1 << 20  # the largest memory.max_tokens (and kv_crossover_tokens) a request may give
-# The memory service's default --max-query-chars: a longer question is searched by its beginning.
-MAX_QUERY_CHARS = 2000
 
 
 class RequestRefused(ValueError):

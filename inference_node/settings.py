@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
+from inferscale_kv.limits import MAX_MEMORY_TOP_K
 from inferscale_kv.options import option
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
@@ -31,7 +32,7 @@ class NodeSettings:
     fetch_timeout_s: float = option(
         10.0, help="deadline of a fact-KV fetch from the memory service; past it the request's memory is prefilled")
     default_top_k: int = option(20, flag="memory-top-k", help="facts per request when the request does not say")
-    max_top_k: int = 200
+    max_top_k: int = MAX_MEMORY_TOP_K  # the largest memory.top_k and recompute_tail_facts (not a flag)
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).
     # None by default: a longer tail did not improve answers beyond noise and costs kv's engine TTFT

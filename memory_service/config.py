@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
+from inferscale_kv.limits import MAX_QUERY_CHARS, MAX_SEARCH_TOP_K
 from inferscale_kv.options import OptionError, OptionParser, option
 
 ENV_PREFIX = "INFERSCALE_"
@@ -28,8 +29,8 @@ class Limits:
     max_turns_per_call: int = option(10_000, help="most turns in one IngestTurns call")
     max_fact_chars: int = option(2000, help="longest fact text (characters)")
     max_turn_chars: int = option(20_000, help="longest turn text (characters)")
-    max_query_chars: int = option(2000, help="longest query (characters)")
-    max_top_k: int = option(1000, help="largest top_k a search may ask for")
+    max_query_chars: int = option(MAX_QUERY_CHARS, help="longest query (characters)")
+    max_top_k: int = option(MAX_SEARCH_TOP_K, help="largest top_k a search may ask for")
     default_top_k: int = option(10, help="facts a search returns when it does not say")
     max_page_size: int = option(1000, help="largest page a listing may ask for")
     default_page_size: int = option(100, help="page size of a listing that does not say")

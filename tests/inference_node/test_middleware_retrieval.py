@@ -18,6 +18,7 @@ from inference_node.retrieval import DROP_DEADLINE, DROP_ERROR, DROP_REASONS, DR
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
+from inferscale_kv.limits import MAX_SEARCH_TOP_K
 from inferscale_kv.model_profile import build_model_profile
 
 USER = "mw-retrieval"
@@ -133,7 +134,7 @@ def _dropped() -> dict[str, float]:
 
 @pytest.fixture
 def node_allowing_more_facts(served, monkeypatch) -> Served:
-    """A node whose own top_k limit is past the memory service's (--max-top-k, 1000 by default)."""
+    """A node whose own top_k limit is past the memory service's (--max-top-k, MAX_SEARCH_TOP_K by default)."""
     middleware, _ = served
     monkeypatch.setenv(SETTINGS_ENV, dataclasses.replace(middleware.middleware.settings, max_top_k=5000).to_json())
     return Served(MemoryMiddleware(RecordingApp()), middleware.loop)
@@ -148,7 +149,7 @@ def test_a_top_k_the_memory_service_refuses_is_a_400_naming_it_not_an_answer_wit
     assert status == 400 and not summary
     message = answer["error"]["message"]
     assert message.startswith("memory.top_k: the memory service refused it (RESOURCE_EXHAUSTED: top_k:"), message
-    assert "1000" in message
+    assert str(MAX_SEARCH_TOP_K) in message
     assert _dropped() == dropped
 
 
