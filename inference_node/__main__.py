@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference_node.crossover import measured_crossover, shape_key
+from inference_node.crossover import MEASURED, crossover_flag, measured_crossover, shape_key
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale_kv.device_telemetry import read_device
@@ -43,9 +43,11 @@ class NodeOptions:
     synchronous_loads: str = option(
         "auto", choices=("auto", "on", "off"),
         help="deprecated, ignored: every load is synchronous (its chunks are fetched into the node cache first)")
-    kv_crossover_tokens: int = option(
-        -1, help="serve a memory shorter than this (injectable tokens) as text, where injecting it is slower; -1: the "
-        "crossover measured for this model, dtype and device (kv_crossover.json), 0 if none was")
+    kv_crossover_tokens: str = option(
+        MEASURED, parse=crossover_flag,
+        help="serve a memory shorter than this many injectable tokens as text, where injecting it is slower: a number, "
+        f"or {MEASURED}: the crossover measured for this model, dtype and device (kv_crossover.json), 0 if none was "
+        f"(-1 still reads as {MEASURED})")
     dry_run: bool = option(False, help="print the vLLM command and exit")
 
 
@@ -99,10 +101,11 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
         print("inference_node: --synchronous-loads is deprecated and ignored: every load is synchronous",
               file=sys.stderr)
     device_bytes = cuda_device_bytes()
-    crossover = options.kv_crossover_tokens
-    if crossover < 0:
+    if options.kv_crossover_tokens == MEASURED:
         key = shape_key(AutoConfig.from_pretrained(model_dir), _flag(vllm_args, "--dtype") or "auto", device_name())
         crossover = measured_crossover(key) or 0
+    else:
+        crossover = int(options.kv_crossover_tokens)
     settings = parser.build(NodeSettings, args, memory_service=options.memory_service, node_id=options.node_id,
                             model_dir=str(model_dir), profile=profile.as_dict(), kv_crossover_tokens=crossover)
     if settings.recompute_tail_facts < 0:

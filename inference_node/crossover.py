@@ -1,6 +1,8 @@
 """When injecting a request's memory costs more than prefilling it: below a memory size (the crossover, measured per
 model shape, dtype and device by `python -m benchmarks.serve`), the node serves the memory as text, so kv is never
-slower than text. Measured crossovers ship in kv_crossover.json; `--kv-crossover-tokens` overrides them."""
+slower than text. Measured crossovers ship in kv_crossover.json; `--kv-crossover-tokens N` overrides them, and
+`--kv-crossover-tokens measured` (the default) takes the measured one. A request's memory.kv_crossover_tokens is the
+number a node so resolved, or another the request gives."""
 
 from __future__ import annotations
 
@@ -8,6 +10,19 @@ import json
 from pathlib import Path
 
 CROSSOVER_TABLE = Path(__file__).with_name("kv_crossover.json")
+MEASURED = "measured"  # --kv-crossover-tokens: the crossover measured for the node's shape, dtype and device
+
+
+def crossover_flag(text: str) -> str:
+    """--kv-crossover-tokens' value: MEASURED, or a whole number of tokens (as text). A negative number is MEASURED:
+    the flag spelled it -1 before it had a name."""
+    if text == MEASURED:
+        return MEASURED
+    try:
+        tokens = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither {MEASURED} nor a number of tokens") from None
+    return MEASURED if tokens < 0 else str(tokens)
 
 
 def shape_key(hf_config, dtype: str, device: str) -> str:

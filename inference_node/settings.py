@@ -40,7 +40,8 @@ class NodeSettings:
     recompute_tail_facts: int = option(
         0, help="kv mode: prefill the m facts nearest the question as text after the injected ones")
     # kv mode: a memory whose injectable part is shorter than this (tokens) is served as text, where injecting it
-    # was measured slower than prefilling it (inference_node.crossover); a request may ask for another value.
+    # was measured slower than prefilling it (--kv-crossover-tokens, resolved: inference_node.crossover); a request
+    # may ask for another value (memory.kv_crossover_tokens).
     kv_crossover_tokens: int = 0
     # Speed runs only: fact KV of the right shape is made up on a node-cache miss instead of fetched, so the
     # engine side can be measured without a memory service. Never set in serving (benchmarks say it when set).

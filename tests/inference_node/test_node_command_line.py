@@ -19,9 +19,9 @@ from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_varia
 PUBLISHED_FLAGS = {
     "--memory-service": "127.0.0.1:50051", "--model": None, "--kv-dtype": "float32", "--context-window": 50,
     "--model-name": None, "--node-cache-mb": 4096, "--memory-top-k": 20, "--synchronous-loads": "auto",
-    "--kv-crossover-tokens": -1, "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0, "--fetch-timeout-s": 10.0,
-    "--load-stats-path": "", "--embed-queries-locally": False, "--embedding-model": "all-MiniLM-L6-v2",
-    "--user-header": "", "--dry-run": False,
+    "--kv-crossover-tokens": "measured", "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0,
+    "--fetch-timeout-s": 10.0, "--load-stats-path": "", "--embed-queries-locally": False,
+    "--embedding-model": "all-MiniLM-L6-v2", "--user-header": "", "--dry-run": False,
 }
 
 
@@ -33,7 +33,7 @@ def test_the_flags_and_their_defaults_are_the_published_ones(monkeypatch: pytest
 
 def test_every_flag_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_each_flag_reads_its_variable(build_parser, monkeypatch, samples={
-        "--kv-dtype": "bfloat16", "--synchronous-loads": "off", "--node-id": "node-7"})
+        "--kv-dtype": "bfloat16", "--synchronous-loads": "off", "--node-id": "node-7", "--kv-crossover-tokens": "120"})
 
 
 def test_node_settings_take_their_defaults_from_the_flags_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,6 +89,30 @@ def test_dry_run_prints_vllms_command_with_the_settings_and_starts_nothing(
     command = capsys.readouterr().out
     assert "vllm.entrypoints.openai.api_server" in command and "--max-model-len 128" in command
     assert '"node_cache_mb": 64' in command and '"default_top_k": 5' in command
+
+
+@pytest.mark.parametrize(("given", "read"), [("measured", "measured"), ("-1", "measured"), ("0", "0"), ("120", "120")])
+def test_the_crossover_flag_is_measured_or_a_number_of_tokens(given: str, read: str) -> None:
+    """-1, the flag's spelling of measured before it had a name, still reads as measured."""
+    parser = build_parser()
+    assert parser.build(NodeOptions, parser.parse_known_args(["--kv-crossover-tokens", given])[0]) \
+        .kv_crossover_tokens == read
+
+
+def test_the_settings_hold_the_crossover_in_tokens(tiny_llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What requests default to (memory.kv_crossover_tokens): the flag's number, or the measured crossover (none is
+    measured for the tiny model: 0)."""
+    monkeypatch.setattr(node_main, "cuda_device_bytes", lambda: None)
+    assert node_main.plan_launch(["--model", str(tiny_llama_dir)]).settings.kv_crossover_tokens == 0
+    launch = node_main.plan_launch(["--model", str(tiny_llama_dir), "--kv-crossover-tokens", "120"])
+    assert launch.settings.kv_crossover_tokens == 120
+
+
+def test_a_crossover_that_is_no_number_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_known_args(["--kv-crossover-tokens", "soon"])
+    error = capsys.readouterr().err
+    assert "argument --kv-crossover-tokens: 'soon' is neither measured nor a number of tokens" in error
 
 
 def test_a_negative_recomputed_tail_is_refused_naming_the_flag(tiny_llama_dir) -> None:
