@@ -117,13 +117,13 @@ def time_scheduler(rewritten: dict, prompt_ids: list[int], count: int) -> list[f
                                    dtype=SimpleNamespace(itemsize=2))
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=model_config)
     settings = NodeSettings(memory_service="-", node_id="cost", model_dir="-", profile={"profile_id": PROFILE_ID})
-    scheduler = InferScaleScheduler(vllm_config, settings)  # type: ignore[arg-type]
+    scheduler = InferScaleScheduler(vllm_config, settings)
     samples = []
     for index in range(count):
         request = SimpleNamespace(request_id=str(index), kv_transfer_params=rewritten["kv_transfer_params"],
                                   cache_salt=rewritten["cache_salt"], prompt_token_ids=prompt_ids, lora_request=None)
         started = time.perf_counter()
-        proof = scheduler._proof(request)  # type: ignore[arg-type]
+        proof = scheduler._proof(request)
         samples.append((time.perf_counter() - started) * 1000)
         assert proof.end > 0, "the plan proved nothing"
     return samples

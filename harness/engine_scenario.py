@@ -199,7 +199,7 @@ def main(mode: str, args: list[str]) -> None:
         return output
 
     scheduler.get_num_new_matched_tokens = answering  # type: ignore[method-assign]
-    vllm_scheduler.schedule = scheduling  # type: ignore[method-assign]
+    vllm_scheduler.schedule = scheduling
 
     header_ids = memory_header_ids(tokenizer)
     plan = plan_memory(facts, header_ids, header_content_id, profile.profile_id, user_id,

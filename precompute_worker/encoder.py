@@ -118,8 +118,7 @@ class FactEncoder:
 
         check_rotary_supported(AutoConfig.from_pretrained(model_dir))  # before loading weights
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa")
-        # transformers types PreTrainedModel.to through a decorator that loses its signature.
-        return cls(model.to(device), max_tokens_per_forward)  # type: ignore[arg-type]
+        return cls(model.to(device), max_tokens_per_forward)
 
     def encode(self, groups: Sequence[EncodingGroup]) -> list[EncodedFact]:
         """Encodes every fact of every group; forwards hold up to max_tokens_per_forward tokens."""
