@@ -40,8 +40,9 @@ from harness.router import (
 )
 from inferscale.v1 import memory_pb2 as pb
 from tests.conftest import run_worker
-from tests.inference_node.conftest import NODE_FLAGS
+from tests.stacks import NODE_FLAGS, Users
 
+USERS = Users(__name__)
 FACTS = 20  # per user, all retrieved by every request (k = FACTS)
 USERS_PER_NODE = 4
 CANDIDATES = 32  # users tried until each node is the consistent hash's choice for USERS_PER_NODE of them
@@ -178,7 +179,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(memory_service: MemoryServiceProcess, stub, tiny_llama_dir, tmp_path_factory) -> Iterator[Fleet]:
     work_dir = tmp_path_factory.mktemp("fleet")
-    candidates = [f"fleet-user-{index}" for index in range(CANDIDATES)]
+    candidates = [USERS(f"fleet-user-{index}") for index in range(CANDIDATES)]
     # No vLLM prefix cache: it would serve a user's repeated prompt before the node cache is asked.
     flags = (*NODE_FLAGS, "--served-model-name", MODEL, "--no-enable-prefix-caching", "--user-header", USER_HEADER,
              "--node-cache-mb", str(_node_cache_mb(tiny_llama_dir, candidates)), "--shutdown-timeout", str(DRAIN_S))
@@ -309,13 +310,17 @@ def test_requests_without_a_user_go_to_the_less_busy_node_and_the_router_counts_
                 assert time.monotonic() < deadline, running
                 time.sleep(0.1)
             long_reply: list[Reply] = []
+            decided = _decisions(router, "power_of_two", fleet.nodes)
             in_flight = threading.Thread(target=lambda replies=long_reply: replies.append(
                 ask(router, "", mode="none", headers={}, max_tokens=LONG_TOKENS, ignore_eos=True)))
             in_flight.start()
             deadline = time.monotonic() + 60
-            while not (busy := [index for index, node in enumerate(fleet.nodes)
-                                if metric_total(_node_samples(node), "vllm:num_requests_running") >= 1]):
-                assert time.monotonic() < deadline, "the long request did not start"
+            # The node the router sent it to, by the router's own count: polling the nodes' running gauge once
+            # missed a long request that ran for 10 s (a full-suite run on 2 cores).
+            while not (busy := [index for index, (after, was) in
+                                enumerate(zip(_decisions(router, "power_of_two", fleet.nodes), decided, strict=True))
+                                if after > was]):
+                assert time.monotonic() < deadline, "the long request was not routed"
                 time.sleep(0.05)
             (busy_node,) = busy
             while in_flight.is_alive() and len(to_idle_node) < 12:
