@@ -27,13 +27,15 @@ from tests.deploy.monitoring_files import ALERT_TESTS_FILE, JOBS, RULES_FILE, al
 from tests.deploy.prometheus import PrometheusServer, PromQLError
 from tests.deploy.promql import Selector, selectors, with_grafana_variables, without_thresholds
 from tests.inference_node.conftest import complete, tiny_profile
+from tests.stacks import Users
 
-NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--retrieve-timeout-s", "30")
 QUESTION = "def answer(question):"
+NAMESPACE = Users(__name__)
+ADA, BEN = NAMESPACE("ada"), NAMESPACE("ben")
 USERS = {
-    "ada": ["Ada keeps bees on the roof of her house.", "Ada's sister lives in Lisbon.",
+    ADA: ["Ada keeps bees on the roof of her house.", "Ada's sister lives in Lisbon.",
             "Ada is allergic to peanuts."],
-    "ben": ["Ben repairs old radios in his garage.", "Ben plays the cello on Sundays."],
+    BEN: ["Ben repairs old radios in his garage.", "Ben plays the cello on Sundays."],
 }
 # Labels whose values are outcomes a healthy run does not produce (error codes): only the label must exist.
 OUTCOME_LABELS = {("inferscale_rpc_requests_total", "code")}
@@ -69,10 +71,12 @@ def _value(prometheus: PrometheusServer, expr: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, node_memory_service: MemoryServiceProcess,
+          shared_node: InferenceNodeProcess) -> Iterator[Stack]:
+    """The shared node stack, vLLM's router in front of its node, and a Prometheus of this module's own: the
+    counters the checks below read are increases seen by this Prometheus, whatever the servers did before."""
     root = tmp_path_factory.mktemp("monitoring")
-    service = MemoryServiceProcess(root / "data", root / "service.log").start()
-    node: InferenceNodeProcess | None = None
+    service, node = node_memory_service, shared_node
     router: RouterProcess | None = None
     prometheus: PrometheusServer | None = None
     try:
@@ -92,8 +96,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
                                      memory_used_bytes=61 << 30, utilization_percent=87)
             stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id="gpu-worker-0", max_facts=1, facts_per_second=250.0,
                                                    profile_id=tiny_profile(tiny_llama_dir).profile_id, device=device))
-            node = InferenceNodeProcess(service.address, tiny_llama_dir, root / "node", *NODE_FLAGS).start()
-            complete(node, QUESTION, {"user_id": "ada", "mode": "kv"})  # warm-up, before Prometheus watches
+            complete(node, QUESTION, {"user_id": ADA, "mode": "kv"})  # warm-up, before Prometheus watches
 
             router = RouterProcess([node.base_url], root).start()  # vLLM's router in front, as deploy/k8s runs it
 
@@ -103,18 +106,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
                 "inference-router": [f"127.0.0.1:{router.metrics_port}"]}, [RULES_FILE]).start()
             _wait_for(lambda: _value(prometheus, "sum(up)") == len(JOBS), "every target up")
             time.sleep(2)  # a few scrapes before the traffic, so that every counter's increase is seen
+            memory_requests = _value(prometheus, "sum(inferscale_node_memory_requests_total)")
 
-            memory_requests = 1
             for user in USERS:
                 for mode in ("kv", "text", "off"):
                     complete(node, QUESTION, {"user_id": user, "mode": mode})
                     memory_requests += 1
             _post(router.base_url, {"model": str(tiny_llama_dir), "prompt": QUESTION, "max_tokens": 4})
-            stub.IngestFacts(pb.IngestFactsRequest(user_id="cy", facts=[
+            stub.IngestFacts(pb.IngestFactsRequest(user_id=NAMESPACE("cy"), facts=[
                 pb.FactInput(fact_id="f0", text="Cy collects maps of imaginary islands.")]))
-            stub.SearchFacts(pb.SearchFactsRequest(user_id="ada", query="Where does her sister live?", top_k=2))
+            stub.SearchFacts(pb.SearchFactsRequest(user_id=ADA, query="Where does her sister live?", top_k=2))
             with pytest.raises(grpc.RpcError) as refused:  # the error panels get a real series
-                stub.DeleteUser(pb.DeleteUserRequest(user_id="nobody-here"))
+                stub.DeleteUser(pb.DeleteUserRequest(user_id=NAMESPACE("nobody-here")))
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
             # A client sending its own load plan and a reserved salt: stripped by the middleware, and counted.
             _post(node.base_url, {"model": str(tiny_llama_dir), "prompt": QUESTION, "max_tokens": 4,
@@ -122,7 +125,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
 
         _wait_for(lambda: _value(prometheus, "sum(vllm_router_processed_requests_total)") > 0
                   and _value(prometheus, "sum(inferscale_node_memory_requests_total)") == memory_requests
-                  and _value(prometheus, "sum(inferscale_node_client_plans_refused_total)") > 0
+                  and _value(prometheus, "sum(increase(inferscale_node_client_plans_refused_total[5m]))") > 0
                   and _value(prometheus, 'sum(inferscale_rpc_requests_total{code="NOT_FOUND"})') > 0,
                   "Prometheus to scrape the traffic")
         time.sleep(3)
@@ -132,9 +135,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
             prometheus.stop()
         if router is not None:
             router.stop()
-        if node is not None:
-            node.stop()
-        service.stop()
 
 
 def _labels(stack: Stack, metric: str) -> dict[str, set[str]]:
