@@ -13,20 +13,14 @@ import pytest
 import torch
 
 from harness.inference_node import InferenceNodeProcess
-from harness.memory_service import MemoryServiceProcess
 from inference_node.plan import PLAN_SECRET_ENV
 from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from inferscale_kv.stored_text import StoredTextGuard
 from precompute_worker.worker import profile_message
-
-# The injection mechanics under test: every fact with KV is injected unless a test asks for a tail.
-NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--retrieve-timeout-s", "30",
-              "--recompute-tail-facts", "0")
 
 
 @dataclass
@@ -96,21 +90,6 @@ def node_plan_secret(monkeypatch) -> bytes:
     secret = secrets.token_bytes(32)
     monkeypatch.setenv(PLAN_SECRET_ENV, secret.hex())
     return secret
-
-
-@pytest.fixture(scope="module")
-def node_memory_service(tmp_path_factory):
-    """A memory service without a host tier, so disk corruption reaches the node."""
-    root = tmp_path_factory.mktemp("node-memory")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--kv-host-budget-mb", "0").start()
-    yield service
-    service.stop()
-
-
-@pytest.fixture(scope="module")
-def node_stub(node_memory_service):
-    with node_memory_service.channel() as channel:
-        yield memory_pb2_grpc.MemoryServiceStub(channel)
 
 
 @pytest.fixture

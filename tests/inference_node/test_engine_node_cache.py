@@ -13,8 +13,10 @@ import pytest
 
 from inferscale.v1 import memory_pb2 as pb
 from tests.conftest import run_worker
+from tests.stacks import Users
 
-USER = "engine-user"
+user = Users(__name__)
+USER = user("engine-user")
 BLOCK_SIZE = 32  # the scenario's
 
 

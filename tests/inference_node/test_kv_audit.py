@@ -16,9 +16,10 @@ from harness.inference_node import InferenceNodeProcess
 from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from tests.conftest import run_worker
-from tests.inference_node.conftest import NODE_FLAGS, complete, tiny_profile
+from tests.conftest import own_memory_service, run_worker
+from tests.inference_node.conftest import complete, tiny_profile
 from tests.memory_service.test_kv_audit import wrong_kv_worker
+from tests.stacks import NODE_FLAGS
 
 QUESTION = "def answer(question):"
 VICTIM = ["Vera keeps bees behind the old barn.", "Vera's daughter studies music in Vienna.",
@@ -30,10 +31,8 @@ TWIN_KV = {"user_id": "twin", "mode": "kv", "top_k": 3}
 
 @pytest.fixture(scope="module")
 def audited_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("audited-memory")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--kv-audit-share", "1").start()
-    yield service
-    service.stop()
+    with own_memory_service(tmp_path_factory, "audited-memory", "--kv-audit-share", "1") as service:
+        yield service
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from typing import cast
 import pytest
 from transformers import AutoTokenizer
 
-from harness.memory_service import MemoryServiceProcess
 from inference_node.middleware import SUMMARY_HEADER, MemoryMiddleware
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
@@ -19,20 +18,19 @@ from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE_TOKEN_ENV
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+from tests.conftest import own_memory_service
 from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _write
 
 
 @pytest.fixture(scope="module")
 def guarded_service(tmp_path_factory):
-    root = tmp_path_factory.mktemp("guarded-node")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--auth-file",
-                                   str(_write(root, cast(list[dict], CREDENTIALS)))).start()
-    with service.channel() as channel:
-        memory_pb2_grpc.MemoryServiceStub(channel).IngestFacts(pb.IngestFactsRequest(
-            user_id="acme/maya", facts=[pb.FactInput(text="Maya has a cat named Pimenta.")]),
-            metadata=_metadata("acme-app"))
-    yield service
-    service.stop()
+    credentials = _write(tmp_path_factory.mktemp("credentials"), cast(list[dict], CREDENTIALS))
+    with own_memory_service(tmp_path_factory, "guarded-node", "--auth-file", str(credentials)) as service:
+        with service.channel() as channel:
+            memory_pb2_grpc.MemoryServiceStub(channel).IngestFacts(pb.IngestFactsRequest(
+                user_id="acme/maya", facts=[pb.FactInput(text="Maya has a cat named Pimenta.")]),
+                metadata=_metadata("acme-app"))
+        yield service
 
 
 def _serve_one(guarded_service, tiny_llama_dir, monkeypatch) -> tuple[dict, dict]:

@@ -20,8 +20,10 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
 from inferscale_kv.limits import MAX_SEARCH_TOP_K
 from inferscale_kv.model_profile import build_model_profile
+from tests.stacks import Users
 
-USER = "mw-retrieval"
+user = Users(__name__)
+USER = user("mw-retrieval")
 DOG_FACTS = ["Caroline's dog Max loves the beach.", "Caroline walks her dog every morning.",
              "Caroline's dog is a golden retriever.", "Caroline bought her dog a new red collar."]
 PARCEL = "Parcel QJ-7731 shipped on Tuesday."

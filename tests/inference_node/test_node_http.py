@@ -12,30 +12,29 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from harness.inference_node import InferenceNodeProcess
-from harness.memory_service import MemoryServiceProcess
 from inference_node.memory_prompt import FactLines, plan_memory
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
 from inferscale_kv.stored_text import StoredTextGuard
 from tests.conftest import run_worker
 from tests.inference_node.conftest import (
-    NODE_FLAGS,
     complete,
     random_kv,
     tiny_profile,
     upload_custom_kv,
 )
+from tests.stacks import Users
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
 
 QUESTION = "def answer(question):"
+user = Users(__name__)
 K_FACTS = [f"Fact {i}: the user likes item {i * 7} and visits place {i * 3} on day {i}." for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
+def node(shared_node, node_memory_service, node_stub, tiny_llama_dir):
     ingest = {
         "one": ["Alice keeps bees on the roof of her house."],
         "many": K_FACTS,
@@ -43,27 +42,23 @@ def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
         "openai": ["Carol collects maps of imaginary islands."],
         "cold": ["Dana restores sailing boats in winter."],
     }
-    for user, texts in ingest.items():
-        node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+    for name, texts in ingest.items():
+        node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user(name), facts=[
             pb.FactInput(fact_id=f"f{i}", text=text) for i, text in enumerate(texts)]))
     run_worker(node_memory_service, tiny_llama_dir)
     profile = tiny_profile(tiny_llama_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
 
-    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="random",
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user("random"),
                                                 facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
-    upload_custom_kv(node_stub, profile, "random",
+    upload_custom_kv(node_stub, profile, user("random"),
                      lambda item: (*random_kv(len(fact_token_ids(tokenizer, item.text)), 1),
                                    fact_token_ids(tokenizer, item.text)))
-    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="mismatch",
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user("mismatch"),
                                                 facts=[pb.FactInput(fact_id="f0", text=ingest["one"][0])]))
-    upload_custom_kv(node_stub, profile, "mismatch",
+    upload_custom_kv(node_stub, profile, user("mismatch"),
                      lambda item: (*random_kv(3, 2), [5, 6, 7]))  # token ids that are not the fact's
-
-    process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("node"),
-                                   *NODE_FLAGS).start()
-    yield process
-    process.stop()
+    return shared_node
 
 
 def _assert_same_generation(left, right, tolerance: float = 1e-4) -> None:
@@ -72,8 +67,8 @@ def _assert_same_generation(left, right, tolerance: float = 1e-4) -> None:
 
 
 def test_kv_mode_with_one_fact_reproduces_text_mode(node) -> None:
-    text = complete(node, QUESTION, {"user_id": "one", "mode": "text"})
-    kv = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": user("one"), "mode": "text"})
+    kv = complete(node, QUESTION, {"user_id": user("one"), "mode": "kv"})
     _assert_same_generation(kv, text)
     assert kv.summary["kv_facts"] == 1
     assert kv.usage["prompt_tokens_details"]["cached_tokens"] == kv.summary["injectable_tokens"] > 0
@@ -122,13 +117,13 @@ def _independent_fact_reference(model_dir, header_ids: list[int], facts: list[li
 
 
 def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_stub, tiny_llama_dir) -> None:
-    kv = complete(node, QUESTION, {"user_id": "many", "mode": "kv", "top_k": 6})
+    kv = complete(node, QUESTION, {"user_id": user("many"), "mode": "kv", "top_k": 6})
     assert kv.summary["kv_facts"] == 6
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-        user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p", "many",
-                       lines=FactLines(StoredTextGuard.for_tokenizer(tokenizer)))
+        user_id=user("many"), query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
+    plan = plan_memory(list(retrieved.facts), memory_header_ids(tokenizer), retrieved.header_content_id, "p",
+                       user("many"), lines=FactLines(StoredTextGuard.for_tokenizer(tokenizer)))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
     header_ids = memory_header_ids(tokenizer)
@@ -139,7 +134,7 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
     reference = _independent_fact_reference(tiny_llama_dir, header_ids, facts, prompt_ids[memory_length:],
                                             kv.tokens)
     assert max(abs(a - b) for a, b in zip(kv.logprobs, reference, strict=False)) <= 1e-3
-    text = complete(node, QUESTION, {"user_id": "many", "mode": "text", "top_k": 6})
+    text = complete(node, QUESTION, {"user_id": user("many"), "mode": "text", "top_k": 6})
     # the facts really are independent:
     assert max(abs(a - b) for a, b in zip(text.logprobs, kv.logprobs, strict=False)) > 1e-3
 
@@ -147,11 +142,11 @@ def test_kv_mode_with_k_facts_equals_the_independent_fact_reference(node, node_s
 def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node_stub, tiny_llama_dir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     header_ids = memory_header_ids(tokenizer)
-    memory = {"user_id": "many", "mode": "kv", "top_k": 6}
+    memory = {"user_id": user("many"), "mode": "kv", "top_k": 6}
     tail = complete(node, QUESTION, {**memory, "recompute_tail_facts": 2})
     retrieved = node_stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-        user_id="many", query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
-    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", "many",
+        user_id=user("many"), query=QUESTION, top_k=6, profile=tiny_profile(tiny_llama_dir), node_id="test"))
+    plan = plan_memory(list(retrieved.facts), header_ids, retrieved.header_content_id, "p", user("many"),
                        lines=FactLines(StoredTextGuard.for_tokenizer(tokenizer)))
     prompt_ids = tokenizer(memory_header_text(tokenizer) + plan.block_text + QUESTION,
                            add_special_tokens=False)["input_ids"]
@@ -169,33 +164,34 @@ def test_recomputed_tail_facts_are_prefilled_behind_the_injected_ones(node, node
 
 
 def test_a_memory_shorter_than_the_kv_crossover_is_served_as_text(node) -> None:
-    below = complete(node, QUESTION, {"user_id": "many", "mode": "kv", "top_k": 6, "kv_crossover_tokens": 100_000})
+    many = {"user_id": user("many"), "top_k": 6}
+    below = complete(node, QUESTION, {**many, "mode": "kv", "kv_crossover_tokens": 100_000})
     assert below.summary["served_as"] == "text" and below.summary["kv_facts"] == 0
     assert below.summary["injectable_tokens"] == 0 and below.summary["facts"] == 6
-    _assert_same_generation(below, complete(node, QUESTION, {"user_id": "many", "mode": "text", "top_k": 6}))
-    above = complete(node, QUESTION, {"user_id": "many", "mode": "kv", "top_k": 6, "kv_crossover_tokens": 1})
+    _assert_same_generation(below, complete(node, QUESTION, {"user_id": user("many"), "mode": "text", "top_k": 6}))
+    above = complete(node, QUESTION, {"user_id": user("many"), "mode": "kv", "top_k": 6, "kv_crossover_tokens": 1})
     assert "served_as" not in above.summary and above.summary["kv_facts"] == 6
 
 
 def test_random_kv_changes_the_output(node) -> None:
-    exact = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
-    randomized = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})
+    exact = complete(node, QUESTION, {"user_id": user("one"), "mode": "kv"})
+    randomized = complete(node, QUESTION, {"user_id": user("random"), "mode": "kv"})
     assert randomized.summary["kv_facts"] == 1
     assert randomized.usage["prompt_tokens_details"]["cached_tokens"] == randomized.summary["injectable_tokens"]
     assert max(abs(a - b) for a, b in zip(exact.logprobs, randomized.logprobs, strict=False)) > 0.01
 
 
 def test_plain_request_after_injected_ones_gets_the_plain_answer(node) -> None:
-    injected = complete(node, QUESTION, {"user_id": "random", "mode": "kv"})
-    plain = complete(node, QUESTION, {"user_id": "random", "mode": "text"})  # the very same prompt tokens
-    reference = complete(node, QUESTION, {"user_id": "one", "mode": "text"})  # same text, other user
+    injected = complete(node, QUESTION, {"user_id": user("random"), "mode": "kv"})
+    plain = complete(node, QUESTION, {"user_id": user("random"), "mode": "text"})  # the very same prompt tokens
+    reference = complete(node, QUESTION, {"user_id": user("one"), "mode": "text"})  # same text, other user
     _assert_same_generation(plain, reference)
     assert plain.logprobs != injected.logprobs
 
 
 def test_token_mismatch_is_not_claimed_and_the_fact_is_prefilled(node) -> None:
-    kv = complete(node, QUESTION, {"user_id": "mismatch", "mode": "kv"})
-    text = complete(node, QUESTION, {"user_id": "one", "mode": "text"})
+    kv = complete(node, QUESTION, {"user_id": user("mismatch"), "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": user("one"), "mode": "text"})
     _assert_same_generation(kv, text)
     header_only = kv.summary["injectable_tokens"] - 3
     assert kv.usage["prompt_tokens_details"]["cached_tokens"] == header_only
@@ -219,11 +215,11 @@ def _wait_for_count(node, name: str, at_least: float, timeout_s: float = 30.0) -
 
 def test_a_node_cache_miss_loads_async_and_the_repeat_loads_from_the_node_cache(node) -> None:
     async_before, hits_before = _connector_count(node, "async_loads"), _connector_count(node, "node_cache_hits")
-    text = complete(node, QUESTION, {"user_id": "cold", "mode": "text"})
-    first = complete(node, QUESTION, {"user_id": "cold", "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": user("cold"), "mode": "text"})
+    first = complete(node, QUESTION, {"user_id": user("cold"), "mode": "kv"})
     assert _wait_for_count(node, "async_loads", async_before + 1) == async_before + 1
     hits_after_first = _wait_for_count(node, "node_cache_hits", hits_before)
-    second = complete(node, QUESTION, {"user_id": "cold", "mode": "kv"})
+    second = complete(node, QUESTION, {"user_id": user("cold"), "mode": "kv"})
     assert _wait_for_count(node, "node_cache_hits", hits_after_first + 2) >= hits_after_first + 2  # header + fact
     assert _connector_count(node, "async_loads") == async_before + 1  # the repeat loaded synchronously
     for kv in (first, second):
@@ -235,15 +231,15 @@ def test_a_node_cache_miss_loads_async_and_the_repeat_loads_from_the_node_cache(
 def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_service) -> None:
     failures_before = _connector_count(node, "load_failures")
     for blob in (node_memory_service.data_dir / "kv" / "blobs").rglob("*.kv"):
-        if blob.parent.name == "vanishing":
+        if blob.parent.name == user("vanishing"):
             blob.write_bytes(blob.read_bytes()[:-5] + b"XXXXX")
-    kv = complete(node, QUESTION, {"user_id": "vanishing", "mode": "kv"})
-    text = complete(node, QUESTION, {"user_id": "vanishing", "mode": "text"})
+    kv = complete(node, QUESTION, {"user_id": user("vanishing"), "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": user("vanishing"), "mode": "text"})
     assert kv.summary["kv_facts"] == 1  # the service still listed it as ready
     _assert_same_generation(kv, text)
     # Counted; the async load fails and the re-admitted request is prefilled (it claims nothing again).
     assert _wait_for_count(node, "load_failures", failures_before + 1) >= failures_before + 1
-    assert complete(node, QUESTION, {"user_id": "one", "mode": "kv"}).summary["kv_facts"] == 1  # engine alive
+    assert complete(node, QUESTION, {"user_id": user("one"), "mode": "kv"}).summary["kv_facts"] == 1  # engine alive
 
 
 def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
@@ -253,7 +249,7 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What does Carol collect?"}]
     results = {}
     for mode in ("kv", "text"):
-        memory = {"memory": {"user_id": "openai", "mode": mode}}
+        memory = {"memory": {"user_id": user("openai"), "mode": mode}}
         raw = client.chat.completions.with_raw_response.create(
             model=str(node.model_dir), messages=messages, max_tokens=10, temperature=0, extra_body=memory)
         chat = raw.parse()
@@ -279,7 +275,7 @@ def test_a_client_supplied_load_plan_is_dropped(node, node_stub, tiny_llama_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     header = memory_header_ids(tokenizer)
     fact = fact_token_ids(tokenizer, "Alice keeps bees on the roof of her house.")
-    plan = {"inferscale": {"profile_id": tiny_profile(tiny_llama_dir).profile_id, "user_id": "one", "chunks": [
+    plan = {"inferscale": {"profile_id": tiny_profile(tiny_llama_dir).profile_id, "user_id": user("one"), "chunks": [
         {"fact_id": "header", "version": 1, "token_ids": header},
         {"fact_id": "f0", "version": 1, "token_ids": fact}]}}
     prompt = memory_header_text(tokenizer) + "Alice keeps bees on the roof of her house.\n" + QUESTION
@@ -293,7 +289,7 @@ def test_a_client_supplied_load_plan_is_dropped(node, node_stub, tiny_llama_dir)
 
 
 def test_bad_memory_field_is_a_400_naming_the_field(node) -> None:
-    body = json.dumps({"model": str(node.model_dir), "prompt": "x", "memory": {"user_id": "one", "mode": "fast"}})
+    body = json.dumps({"model": str(node.model_dir), "prompt": "x", "memory": {"user_id": user("one"), "mode": "fast"}})
     request = urllib.request.Request(f"{node.base_url}/v1/completions", data=body.encode(),
                                      headers={"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as raised:
@@ -304,7 +300,7 @@ def test_bad_memory_field_is_a_400_naming_the_field(node) -> None:
 
 def test_memory_service_down_answers_without_memory_and_the_engine_lives(node, node_memory_service) -> None:
     node_memory_service.stop()
-    degraded = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
+    degraded = complete(node, QUESTION, {"user_id": user("one"), "mode": "kv"})
     assert degraded.summary["error"].startswith("memory service")
     # The one case a memory request is served without its memory: said in the header, and counted by reason.
     assert (degraded.summary["memory"], degraded.summary["reason"]) == ("dropped", "unavailable")
@@ -316,20 +312,16 @@ def test_memory_service_down_answers_without_memory_and_the_engine_lives(node, n
 
 
 def test_memory_comes_back_when_the_memory_service_returns(node, node_memory_service) -> None:
+    """The shared service comes back on its address and data, as a restarted pod does, and stays up for the
+    tests after this one."""
     if node_memory_service.process.poll() is None:
         node_memory_service.stop()
-    returned = MemoryServiceProcess(node_memory_service.data_dir, node_memory_service.log_path, "--kv-host-budget-mb",
-                                    "0")
-    returned.port = node_memory_service.port  # the address the node knows
-    returned.start()
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            answer = complete(node, QUESTION, {"user_id": "one", "mode": "kv"})
-            if "error" not in answer.summary or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert "error" not in answer.summary, answer.summary
-        assert answer.summary["kv_facts"] == 1
-    finally:
-        returned.stop()
+    node_memory_service.start()
+    deadline = time.monotonic() + 60
+    while True:
+        answer = complete(node, QUESTION, {"user_id": user("one"), "mode": "kv"})
+        if "error" not in answer.summary or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert "error" not in answer.summary, answer.summary
+    assert answer.summary["kv_facts"] == 1

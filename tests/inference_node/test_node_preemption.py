@@ -11,8 +11,9 @@ from harness.inference_node import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from tests.conftest import run_worker
 from tests.inference_node.conftest import complete
+from tests.stacks import Users
 
-USERS = [f"busy-{i}" for i in range(8)]
+USERS = [Users(__name__)(f"busy-{i}") for i in range(8)]
 QUESTION = "def answer(question):"
 # Prompt ~190 tokens + 120 generated = 10 blocks of 32: one request fits the 15 usable blocks, two do not.
 MAX_TOKENS = 120

@@ -10,9 +10,11 @@ import pytest
 from harness.inference_node import InferenceNodeProcess
 from inferscale.v1 import memory_pb2 as pb
 from tests.conftest import run_worker
-from tests.inference_node.conftest import NODE_FLAGS, complete
+from tests.inference_node.conftest import complete
+from tests.stacks import NODE_FLAGS, Users
 
 QUESTION = "def answer(question):"
+USER = Users(__name__)("local-embed")
 
 
 def _service_metric(service, name: str) -> float:
@@ -23,7 +25,7 @@ def _service_metric(service, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
-    node_stub.IngestFacts(pb.IngestFactsRequest(user_id="local-embed", facts=[
+    node_stub.IngestFacts(pb.IngestFactsRequest(user_id=USER, facts=[
         pb.FactInput(fact_id="f0", text="Ida grows lemons on her balcony.")]))
     run_worker(node_memory_service, tiny_llama_dir)
     process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("embed-node"),
@@ -34,8 +36,8 @@ def node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factory):
 
 def test_the_node_sends_its_own_query_vector_and_the_memory_reaches_the_prompt(node, node_memory_service) -> None:
     embedded_by_caller = _service_metric(node_memory_service, "inferscale_caller_embedded_queries_total")
-    kv = complete(node, QUESTION, {"user_id": "local-embed", "mode": "kv"})
-    text = complete(node, QUESTION, {"user_id": "local-embed", "mode": "text"})
+    kv = complete(node, QUESTION, {"user_id": USER, "mode": "kv"})
+    text = complete(node, QUESTION, {"user_id": USER, "mode": "text"})
     assert kv.summary["facts"] == 1 and kv.summary["kv_facts"] == 1 and "error" not in kv.summary
     assert kv.tokens == text.tokens
     assert _service_metric(node_memory_service, "inferscale_caller_embedded_queries_total") == embedded_by_caller + 2

@@ -20,8 +20,10 @@ from inferscale_kv.kv_key import KvKey
 from inferscale_kv.rope import RotaryTables
 from inferscale_kv.shape import KvShape
 from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
+from tests.stacks import Users
 
-USER = "tp-user"
+user = Users(__name__)
+USER = user("tp-user")
 FACTS = ["Erin grows chillies on her balcony.", "Erin sails a small dinghy on Sundays."]
 
 

@@ -20,7 +20,7 @@ from inferscale_kv.call_credentials import WORKER_TOKEN_ENV
 from memory_service.access import AccessControl, token_digest
 from memory_service.config import ConfigError
 from memory_service.errors import PermissionDenied, Unauthenticated
-from tests.conftest import run_worker
+from tests.conftest import own_memory_service, run_worker, run_worker_process
 
 TOKENS = {"acme-app": "acme-secret", "globex-app": "globex-secret", "nodes": "node-secret",
           "workers": "worker-secret", "ops": "admin-secret", "small-app": "small-secret", "kv-app": "kv-secret"}
@@ -127,11 +127,9 @@ def test_a_bad_credentials_file_is_refused_with_the_reason(tmp_path, credentials
 
 @pytest.fixture(scope="module")
 def guarded_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("guarded")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--auth-file",
-                                   str(_write(root, CREDENTIALS))).start()
-    yield service
-    service.stop()
+    credentials = _write(tmp_path_factory.mktemp("credentials"), CREDENTIALS)
+    with own_memory_service(tmp_path_factory, "guarded", "--auth-file", str(credentials)) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +192,9 @@ def test_worker_with_its_token_from_the_environment_computes_kv(guarded_service,
     guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="acme/leo", facts=[pb.FactInput(text="Leo bakes bread.")]),
                              metadata=_metadata("acme-app"))
     monkeypatch.setenv(WORKER_TOKEN_ENV, TOKENS["workers"])
-    run_worker(guarded_service, tiny_llama_dir, "--worker-id", "workers/test")
+    # A process of its own: the token reaches the worker through its environment, as in a pod.
+    finished = run_worker_process(guarded_service, tiny_llama_dir, "--worker-id", "workers/test")
+    assert finished.returncode == 0, finished.stderr[-3000:]
     stats = guarded_stub.GetStats(pb.GetStatsRequest(), metadata=_metadata("workers"))
     assert [profile.done for profile in stats.profiles] == [stats.facts]
 

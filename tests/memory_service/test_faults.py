@@ -16,8 +16,11 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.profile import kv_profile_id
 from tests.conftest import run_worker
+from tests.inference_node.conftest import tiny_profile
+from tests.stacks import Users
 
-USER = "fault-user"
+USER = "fault-user"  # on a service of its own
+USERS = Users(__name__)
 
 
 def _profile() -> pb.KvProfile:
@@ -96,7 +99,9 @@ def test_kill_9_during_acknowledged_ingests_loses_none_duplicates_none_and_the_k
 
 
 def test_a_worker_killed_holding_a_lease_has_its_facts_redone_by_another(memory_service, stub, tiny_llama_dir):
-    user = "fault-worker-user"
+    user = USERS("fault-worker-user")
+    run_worker(memory_service, tiny_llama_dir)  # the shared service's work left by others: the lease below is ours
+    profile_id = tiny_profile(tiny_llama_dir).profile_id
     stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
         pb.FactInput(text=f"Fact {n}: the user collects {n} stamps.") for n in range(120)]))
     doomed = subprocess.Popen(
@@ -107,17 +112,17 @@ def test_a_worker_killed_holding_a_lease_has_its_facts_redone_by_another(memory_
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             profiles = stub.GetStats(pb.GetStatsRequest(user_id=user)).profiles
-            if any(p.leased for p in profiles):
+            if any(p.leased for p in profiles if p.profile_id == profile_id):
                 break
             time.sleep(0.02)
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)
-        (leased,) = [p for p in stub.GetStats(pb.GetStatsRequest(user_id=user)).profiles]
+        (leased,) = [p for p in stub.GetStats(pb.GetStatsRequest(user_id=user)).profiles if p.profile_id == profile_id]
         assert leased.leased > 0, "the worker finished before it could be killed holding a lease"
     finally:
         if doomed.poll() is None:
             doomed.kill()
     time.sleep(3.5)  # the dead worker's lease expires
     run_worker(memory_service, tiny_llama_dir)
-    (after,) = stub.GetStats(pb.GetStatsRequest(user_id=user)).profiles
+    (after,) = [p for p in stub.GetStats(pb.GetStatsRequest(user_id=user)).profiles if p.profile_id == profile_id]
     assert (after.done, after.leased, after.failed, after.queued) == (120, 0, 0, 0)

@@ -33,6 +33,7 @@ from inferscale_kv.blob import KvBlobHeader, encode_kv_blob, read_kv_header
 from inferscale_kv.kv_key import HEADER_OWNER, content_id, header_key
 from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import kv_profile_id
+from tests.conftest import own_memory_service
 
 CASES_PER_RPC = int(os.environ.get("INFERSCALE_FUZZ_CASES", "60"))
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
@@ -242,11 +243,9 @@ MAX_FACTS_PER_USER = 200  # the users' facts are listed twice per call: they mus
 
 @pytest.fixture(scope="module")
 def memory_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("fuzz")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--max-facts-per-user",
-                                   str(MAX_FACTS_PER_USER)).start()
-    yield service
-    service.stop()
+    """A service of this module's own: its checks compare whole-store states around each generated call."""
+    with own_memory_service(tmp_path_factory, "fuzz", "--max-facts-per-user", str(MAX_FACTS_PER_USER)) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")

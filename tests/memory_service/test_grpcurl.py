@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.stacks import Users
+
+user = Users(__name__)
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
 
 
@@ -32,13 +35,13 @@ def test_describe_shows_every_rpc(memory_service) -> None:
 
 
 def test_ingest_then_search_through_grpcurl(memory_service) -> None:
-    ingest = {"user_id": "grpcurl-user", "facts": [
+    ingest = {"user_id": user("grpcurl-user"), "facts": [
         {"text": "Jon opened a dance studio in 2023.", "timestamp": "2023-05-08T13:56:00Z"},
         {"text": "Jon's favourite food is ramen."},
     ]}
     ingested = json.loads(_grpcurl(memory_service, "inferscale.v1.MemoryService/IngestFacts", data=json.dumps(ingest)))
     assert [fact["outcome"] for fact in ingested["facts"]] == ["INGEST_OUTCOME_CREATED"] * 2
-    search = {"user_id": "grpcurl-user", "query": "What business did Jon start?", "top_k": 1,
+    search = {"user_id": user("grpcurl-user"), "query": "What business did Jon start?", "top_k": 1,
               "retrieval": "RETRIEVAL_MODE_VECTOR"}
     found = json.loads(_grpcurl(memory_service, "inferscale.v1.MemoryService/SearchFacts", data=json.dumps(search)))
     assert found["facts"][0]["fact"]["text"] == "Jon opened a dance studio in 2023."

@@ -4,8 +4,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.profile import kv_profile_id
+from tests.stacks import Users
 
-USERS = [f"iso-user-{i:02d}" for i in range(25)]
+user = Users(__name__)
+USERS = [user(f"iso-user-{i:02d}") for i in range(25)]
 TOPICS = ["hiking trip", "favourite food", "pet", "job", "hometown", "hobby"]
 
 

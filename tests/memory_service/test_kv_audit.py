@@ -23,7 +23,6 @@ from transformers import AutoTokenizer
 
 from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, token_hash
@@ -37,7 +36,7 @@ from memory_service.sql import SqliteDatabase
 from precompute_worker.encoder import FactKey
 from precompute_worker.grouping import ConversationTurn, FactJob, GroupBuilder
 from precompute_worker.worker import profile_message
-from tests.conftest import run_worker
+from tests.conftest import own_memory_service, run_worker
 
 HONEST = {"h0": "Hana grows basil on her balcony.", "h1": "Hana swims in the lake every morning.",
           "h2": "Hana's brother lives in Porto."}
@@ -46,17 +45,10 @@ VICTIM = {"v0": "Vera keeps bees behind the old barn.", "v1": "Vera's daughter s
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("kv_audit")
-    process = MemoryServiceProcess(root / "data", root / "service.log", "--kv-audit-share", "1").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(service) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
-    with service.channel() as channel:
-        yield memory_pb2_grpc.MemoryServiceStub(channel)
+def memory_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
+    """A service of this module's own, auditing every new fact KV: its workers' identities and bars are its own."""
+    with own_memory_service(tmp_path_factory, "kv_audit", "--kv-audit-share", "1") as service:
+        yield service
 
 
 def wrong_kv_worker(stub, profile: pb.KvProfile, tokenizer, user_id: str, worker_id: str) -> int:
@@ -96,15 +88,15 @@ def _fetched(stub, profile: pb.KvProfile, user_id: str, facts: dict[str, pb.Retr
     return {reply.fact_id: reply.blob for reply in replies}
 
 
-def _audits(service: MemoryServiceProcess) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+def _audits(memory_service: MemoryServiceProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{memory_service.metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return {outcome: float(count) for outcome, count in
             re.findall(r'^inferscale_kv_audits_total\{outcome="(\w+)"\} (\S+)$', text, re.MULTILINE) if float(count)}
 
 
-def _quarantined_workers(service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str]]:
-    path = Path(service.data_dir) / "kv" / "index.sqlite"
+def _quarantined_workers(memory_service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str]]:
+    path = Path(memory_service.data_dir) / "kv" / "index.sqlite"
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
         rows = database.execute("SELECT fact_id, worker_id FROM kv_quarantine WHERE user_id = ? ORDER BY fact_id, "
                                 "worker_id", (user_id,)).fetchall()
@@ -112,30 +104,31 @@ def _quarantined_workers(service: MemoryServiceProcess, user_id: str) -> list[tu
     return rows
 
 
-def test_the_audit_withdraws_wrong_kv_and_a_third_worker_recomputes_it(service, stub, tiny_llama_dir) -> None:
+def test_the_audit_withdraws_wrong_kv_and_a_third_worker_recomputes_it(memory_service, stub, tiny_llama_dir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     profile = profile_message(build_model_profile(tiny_llama_dir, tokenizer, "float32", DEFAULT_CONTEXT_WINDOW))
     stub.IngestFacts(pb.IngestFactsRequest(user_id="honest", facts=[
         pb.FactInput(fact_id=fact_id, text=text) for fact_id, text in HONEST.items()]))
-    run_worker(service, tiny_llama_dir, "--worker-id", "worker-1")  # the header and the honest user's facts
+    run_worker(memory_service, tiny_llama_dir, "--worker-id", "worker-1")  # the header and the honest user's facts
     stub.IngestFacts(pb.IngestFactsRequest(user_id="victim", facts=[
         pb.FactInput(fact_id=fact_id, text=text) for fact_id, text in VICTIM.items()]))
     assert wrong_kv_worker(stub, profile, tokenizer, "victim", "liar") == len(VICTIM)
     planted = _retrieved(stub, profile, "victim")
     assert all(fact.kv_ready for fact in planted.values())  # until its audit, an entry is served as today
-    assert _audits(service) == {}  # no result yet
+    assert _audits(memory_service) == {}  # no result yet
 
-    run_worker(service, tiny_llama_dir, "--worker-id", "worker-2")  # audits all of it, unknowingly
-    audits = _audits(service)
+    run_worker(memory_service, tiny_llama_dir, "--worker-id", "worker-2")  # audits all of it, unknowingly
+    audits = _audits(memory_service)
     assert audits.get("mismatch") == len(VICTIM)
     assert audits.get("match") == len(HONEST) + 1  # the honest facts and the header
     assert not any(fact.kv_ready for fact in _retrieved(stub, profile, "victim").values())
     assert all(fact.kv_ready for fact in _retrieved(stub, profile, "honest").values())
-    logged = [json.loads(line) for line in service.log_path.read_text().splitlines() if '"kv_audit_mismatch"' in line]
+    logged = [json.loads(line) for line in memory_service.log_path.read_text().splitlines()
+              if '"kv_audit_mismatch"' in line]
     assert sorted((entry["fact_id"], entry["producer"], entry["auditor"]) for entry in logged) == [
         (fact_id, "liar", "worker-2") for fact_id in sorted(VICTIM)]
     assert all(entry["difference"] > AUDIT_TOLERANCES["float32"] for entry in logged)
-    assert _quarantined_workers(service, "victim") == [(fact_id, worker) for fact_id in sorted(VICTIM)
+    assert _quarantined_workers(memory_service, "victim") == [(fact_id, worker) for fact_id in sorted(VICTIM)
                                                        for worker in ("liar", "worker-2")]
     victim_stats = next(p for p in stub.GetStats(pb.GetStatsRequest(user_id="victim")).profiles)
     assert (victim_stats.done, victim_stats.queued) == (0, len(VICTIM))
@@ -143,25 +136,25 @@ def test_the_audit_withdraws_wrong_kv_and_a_third_worker_recomputes_it(service, 
         lease = stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=barred, profile_id=profile.profile_id))
         assert not [item for item in lease.items if item.user_id == "victim"]
 
-    run_worker(service, tiny_llama_dir, "--worker-id", "worker-3")
+    run_worker(memory_service, tiny_llama_dir, "--worker-id", "worker-3")
     recomputed = _retrieved(stub, profile, "victim")
     assert all(fact.kv_ready for fact in recomputed.values())
     # Served under other names than the withdrawn KV: a node that cached the planted bytes cannot take them for these.
     assert not {fact.content_id for fact in recomputed.values()} & {fact.content_id for fact in planted.values()}
     assert not any(_fetched(stub, profile, "victim", planted).values())
     blobs = _fetched(stub, profile, "victim", recomputed)
-    auditors = {fact_id: blob for fact_id, worker, blob in _quarantined_blobs(service, "victim")
+    auditors = {fact_id: blob for fact_id, worker, blob in _quarantined_blobs(memory_service, "victim")
                 if worker == "worker-2"}
     for fact_id, blob in blobs.items():
         assert kv_difference(auditors[fact_id], blob) <= AUDIT_TOLERANCES["float32"]
         assert decode_kv_blob(blob).header.content_id == recomputed[fact_id].content_id
-    run_worker(service, tiny_llama_dir, "--worker-id", "worker-1")  # audits worker-3's KV: it passes
-    assert _audits(service).get("match") == audits["match"] + len(VICTIM)
+    run_worker(memory_service, tiny_llama_dir, "--worker-id", "worker-1")  # audits worker-3's KV: it passes
+    assert _audits(memory_service).get("match") == audits["match"] + len(VICTIM)
     assert all(fact.kv_ready for fact in _retrieved(stub, profile, "victim").values())
 
 
-def _quarantined_blobs(service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str, bytes]]:
-    path = Path(service.data_dir) / "kv" / "index.sqlite"
+def _quarantined_blobs(memory_service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str, bytes]]:
+    path = Path(memory_service.data_dir) / "kv" / "index.sqlite"
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
         rows = database.execute("SELECT fact_id, worker_id, blob FROM kv_quarantine WHERE user_id = ?",
                                 (user_id,)).fetchall()
@@ -169,13 +162,13 @@ def _quarantined_blobs(service: MemoryServiceProcess, user_id: str) -> list[tupl
     return [(fact_id, worker, bytes(blob)) for fact_id, worker, blob in rows]
 
 
-def test_deleting_a_user_drops_its_quarantined_kv(service, stub) -> None:
-    assert _quarantined_workers(service, "victim")
+def test_deleting_a_user_drops_its_quarantined_kv(memory_service, stub) -> None:
+    assert _quarantined_workers(memory_service, "victim")
     stub.DeleteUser(pb.DeleteUserRequest(user_id="victim"))
-    assert _quarantined_workers(service, "victim") == []
+    assert _quarantined_workers(memory_service, "victim") == []
 
 
-def test_an_audit_of_kv_whose_turns_changed_is_stale_and_the_fact_computed_again(service, stub,
+def test_an_audit_of_kv_whose_turns_changed_is_stale_and_the_fact_computed_again(memory_service, stub,
                                                                                 tiny_llama_dir) -> None:
     """Regression (issue 31 review, H3): IngestTurns rewrites a turn by its id and leaves the facts' KV; the auditor
     then encodes another window, so its content id differs from the entry's and the audit counted as a mismatch:
@@ -214,29 +207,29 @@ def test_an_audit_of_kv_whose_turns_changed_is_stale_and_the_fact_computed_again
     compute("edit-producer")
     stub.IngestTurns(pb.IngestTurnsRequest(user_id=user, turns=[pb.Turn(turn_id="t0", seq=0, speaker="Ana",
                                                                         text="edited")]))
-    before = _audits(service)
-    waiting = _gauge(service, "inferscale_kv_audits_waiting")
+    before = _audits(memory_service)
+    waiting = _gauge(memory_service, "inferscale_kv_audits_waiting")
     compute("edit-auditor")  # the audit of the producer's entry, from the edited window
-    after = _audits(service)
+    after = _audits(memory_service)
     assert after.get("mismatch", 0) == before.get("mismatch", 0)
     assert after.get("stale", 0) == before.get("stale", 0) + 1
-    assert _quarantined_workers(service, user) == [] and _barred(service, user) == []
-    assert _gauge(service, "inferscale_kv_audits_waiting") == waiting - 1  # its own audit done, none added
+    assert _quarantined_workers(memory_service, user) == [] and _barred(memory_service, user) == []
+    assert _gauge(memory_service, "inferscale_kv_audits_waiting") == waiting - 1  # its own audit done, none added
     assert not _retrieved(stub, profile, user)["f"].kv_ready  # served as text until computed again
     lease = compute("edit-producer")  # not barred: it computes the fact again, from the current turns
     assert [item.fact_id for item in lease.items if item.user_id == user] == ["f"]
     assert _retrieved(stub, profile, user)["f"].kv_ready
 
 
-def _gauge(service: MemoryServiceProcess, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+def _gauge(memory_service: MemoryServiceProcess, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{memory_service.metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode()
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
-def _barred(service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str]]:
-    path = Path(service.data_dir) / "kv" / "index.sqlite"
+def _barred(memory_service: MemoryServiceProcess, user_id: str) -> list[tuple[str, str]]:
+    path = Path(memory_service.data_dir) / "kv" / "index.sqlite"
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
         rows = database.execute("SELECT fact_id, worker_id FROM kv_exclusions WHERE user_id = ?", (user_id,)).fetchall()
     database.close()
@@ -266,7 +259,7 @@ def _synthetic_upload(profile: pb.KvProfile, item: pb.KvWorkItem) -> pb.FactKvUp
                            blob=encode_kv_blob(header, keys, keys))
 
 
-def test_an_audit_no_auditor_finishes_is_given_up_and_its_fact_computed_again(service, stub) -> None:
+def test_an_audit_no_auditor_finishes_is_given_up_and_its_fact_computed_again(memory_service, stub) -> None:
     """Regression (issue 31 review, M1): an audit leased --kv-max-attempts times (3) without a result was dropped and
     its entry left served, unaudited (an auditor holding it, or never answering, kept wrong KV served). Now the entry
     is withdrawn (served as text) and its fact queued again, nobody barred."""
@@ -288,16 +281,16 @@ def test_an_audit_no_auditor_finishes_is_given_up_and_its_fact_computed_again(se
             lease_id=produced.lease_id, worker_id="producer", profile_id=profile.profile_id,
             results=[_synthetic_upload(profile, item) for item in produced.items]))
     assert _retrieved(stub, profile, user)["a0"].kv_ready
-    before = _audits(service).get("abandoned", 0)
-    for _ in range(3):  # the service's --kv-max-attempts
+    before = _audits(memory_service).get("abandoned", 0)
+    for _ in range(3):  # the memory_service's --kv-max-attempts
         audit = lease("silent-auditor", lease_seconds=1)
         assert [item.fact_id for item in audit.items if item.user_id == user] == ["a0"]
         time.sleep(1.2)
     third = lease("third")
     assert [item.fact_id for item in third.items if item.user_id == user] == ["a0"]  # computed again
-    assert _audits(service).get("abandoned", 0) > before
+    assert _audits(memory_service).get("abandoned", 0) > before
     assert not _retrieved(stub, profile, user)["a0"].kv_ready  # served as text until then
-    assert _barred(service, user) == [] and _quarantined_workers(service, user) == []
+    assert _barred(memory_service, user) == [] and _quarantined_workers(memory_service, user) == []
     stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=third.lease_id, worker_id="third",
                                                  profile_id=profile.profile_id,
                                                  results=[_synthetic_upload(profile, item) for item in third.items]))

@@ -11,7 +11,6 @@ import json
 import re
 import sqlite3
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,29 +19,22 @@ import torch
 
 from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.kv_key import content_id, header_key
 from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import kv_profile_id
 from memory_service.kv_checks import kv_difference
+from tests.stacks import UNAUDITED, ServerPool, Users
 
+CHECKS_USER = Users(__name__)("checks-user")
 HEADER_IDS = (5, 6, 7, 8)
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("kv_checks")
-    process = MemoryServiceProcess(root / "data", root / "service.log", "--kv-audit-share", "0").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(service) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
-    with service.channel() as channel:
-        yield memory_pb2_grpc.MemoryServiceStub(channel)
+def memory_service(servers: ServerPool) -> MemoryServiceProcess:
+    """The session's service without the sampled audit (the uploads here are made up)."""
+    return servers.memory_service(*UNAUDITED)
 
 
 def _profile(model: str, kv_dtype: str = "float32") -> pb.KvProfile:
@@ -75,17 +67,17 @@ def _announce(stub, profile: pb.KvProfile, header: bytes, worker: str) -> pb.Ann
 
 def _served_header(stub, profile: pb.KvProfile) -> bytes:
     """The header KV a node gets for the profile (b"" when none is served)."""
-    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="checks-user", query="anything", top_k=1,
+    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=CHECKS_USER, query="anything", top_k=1,
                                                                  profile=profile, node_id="n1"))
     if not retrieved.header_content_id:
         return b""
-    (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="checks-user",
+    (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=CHECKS_USER,
                                               include_header=True, header_content_id=retrieved.header_content_id))
     return reply.blob
 
 
-def _quarantined(service: MemoryServiceProcess, profile: pb.KvProfile) -> list[tuple[str, str, bytes]]:
-    path = Path(service.data_dir) / "kv" / "index.sqlite"
+def _quarantined(memory_service: MemoryServiceProcess, profile: pb.KvProfile) -> list[tuple[str, str, bytes]]:
+    path = Path(memory_service.data_dir) / "kv" / "index.sqlite"
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
         rows = database.execute("SELECT worker_id, reason, blob FROM kv_quarantine WHERE profile_id = ? "
                                 "ORDER BY quarantined_at", (profile.profile_id,)).fetchall()
@@ -93,8 +85,8 @@ def _quarantined(service: MemoryServiceProcess, profile: pb.KvProfile) -> list[t
     return [(worker, reason, bytes(blob)) for worker, reason, blob in rows]
 
 
-def _counter(service: MemoryServiceProcess, name: str, labels: str = "") -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+def _counter(memory_service: MemoryServiceProcess, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{memory_service.metrics_port}/metrics", timeout=10) as response:
         text = response.read().decode()
     match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
@@ -105,8 +97,8 @@ def _header_wanted(stub, profile: pb.KvProfile, worker: str) -> bool:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def user(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="checks-user", facts=[
+def checks_user(stub) -> None:
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=CHECKS_USER, facts=[
         pb.FactInput(fact_id="f0", text="one two three"), pb.FactInput(fact_id="f1", text="four five six")]))
 
 
@@ -119,7 +111,7 @@ HEADER_CASES = [
 
 
 @pytest.mark.parametrize(("case", "fields", "problem"), HEADER_CASES, ids=[case[0] for case in HEADER_CASES])
-def test_a_header_that_is_not_the_profiles_is_refused_and_changes_nothing(stub, service, case, fields,
+def test_a_header_that_is_not_the_profiles_is_refused_and_changes_nothing(stub, memory_service, case, fields,
                                                                          problem) -> None:
     profile = _profile("header-checks")
     first = _header(profile)
@@ -128,7 +120,7 @@ def test_a_header_that_is_not_the_profiles_is_refused_and_changes_nothing(stub, 
         _announce(stub, profile, _header(profile, seed=1, **fields), "w-second")
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
     assert raised.value.details().startswith("header_kv:") and problem in raised.value.details()
-    assert _served_header(stub, profile) == first and _quarantined(service, profile) == []
+    assert _served_header(stub, profile) == first and _quarantined(memory_service, profile) == []
 
 
 def _lease_and_upload(stub, profile: pb.KvProfile, worker: str, make) -> tuple[pb.LeaseKvWorkResponse, list]:
@@ -169,7 +161,7 @@ def test_fact_kv_that_does_not_fit_the_profile_is_refused_and_nothing_of_the_cal
     assert (stats.done, stats.leased) == (0, 2)
 
 
-def test_a_differing_header_is_a_loud_conflict_set_aside_and_a_third_worker_decides(stub, service) -> None:
+def test_a_differing_header_is_a_loud_conflict_set_aside_and_a_third_worker_decides(stub, memory_service) -> None:
     """Regression (issue 31 review, H1): a differing header withdrew the stored, audited header and barred its honest
     producer, and a barred worker's header was compared (and withdrew the next honest header) whenever one was stored.
     Now the newer one is set aside (loud: counted, logged, quarantined), the stored one stays served, and the worker
@@ -177,76 +169,76 @@ def test_a_differing_header_is_a_loud_conflict_set_aside_and_a_third_worker_deci
     profile = _profile("header-conflict")
     stored = _header(profile, seed=0)
     _announce(stub, profile, stored, "w-a")
-    conflicts, mismatches, matches = (_counter(service, "inferscale_kv_header_conflicts_total"),
-                                      _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}'),
-                                      _counter(service, "inferscale_kv_audits_total", '{outcome="match"}'))
+    conflicts, mismatches, matches = (_counter(memory_service, "inferscale_kv_header_conflicts_total"),
+                                      _counter(memory_service, "inferscale_kv_audits_total", '{outcome="mismatch"}'),
+                                      _counter(memory_service, "inferscale_kv_audits_total", '{outcome="match"}'))
     assert _header_wanted(stub, profile, "w-b")  # the stored header waits for another worker's audit
     keys, _ = _tensors(len(HEADER_IDS), 0)
     _announce(stub, profile, _header(profile, seed=0, keys=keys * (1 + 1e-6)), "w-b")  # an honest recomputation
-    assert _counter(service, "inferscale_kv_audits_total", '{outcome="match"}') == matches + 1
+    assert _counter(memory_service, "inferscale_kv_audits_total", '{outcome="match"}') == matches + 1
     assert not _header_wanted(stub, profile, "w-c") and _served_header(stub, profile) == stored
 
     differing = _header(profile, seed=9)
     _announce(stub, profile, differing, "w-c")  # not an error to the worker: it is told nothing
-    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
-    assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches
+    assert _counter(memory_service, "inferscale_kv_header_conflicts_total") == conflicts + 1
+    assert _counter(memory_service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches
     assert _served_header(stub, profile) == stored  # the stored header stays served
-    assert [(worker, blob) for worker, _, blob in _quarantined(service, profile)] == [("w-c", differing)]
-    logged = [json.loads(line) for line in service.log_path.read_text().splitlines()
+    assert [(worker, blob) for worker, _, blob in _quarantined(memory_service, profile)] == [("w-c", differing)]
+    logged = [json.loads(line) for line in memory_service.log_path.read_text().splitlines()
               if '"kv_header_conflict"' in line]
     assert [(entry["stored_by"], entry["differing_from"]) for entry in logged
             if entry["profile_id"] == profile.profile_id] == [("w-a", "w-c")]
     assert not _header_wanted(stub, profile, "w-c")  # it differed: never asked again for this header
     for _ in range(3):  # nor heard: refused before any comparison, so it knocks nothing out
         _announce(stub, profile, differing, "w-c")
-    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
+    assert _counter(memory_service, "inferscale_kv_header_conflicts_total") == conflicts + 1
     assert _served_header(stub, profile) == stored
-    assert any(json.loads(line).get("worker_id") == "w-c" for line in service.log_path.read_text().splitlines()
-               if '"kv_header_refused"' in line)
+    assert any(json.loads(line).get("worker_id") == "w-c"
+               for line in memory_service.log_path.read_text().splitlines() if '"kv_header_refused"' in line)
     assert not _header_wanted(stub, profile, "w-a")  # its producer is not barred, but it does not audit itself
     assert _header_wanted(stub, profile, "w-d")  # a third worker is asked
     _announce(stub, profile, stored, "w-d")  # and agrees with the stored header
-    assert _counter(service, "inferscale_kv_audits_total", '{outcome="match"}') == matches + 2
+    assert _counter(memory_service, "inferscale_kv_audits_total", '{outcome="match"}') == matches + 2
     assert _served_header(stub, profile) == stored and not _header_wanted(stub, profile, "w-e")
 
 
-def test_a_header_two_workers_dispute_is_withdrawn_its_producer_barred_and_counted_as_a_mismatch(stub,
-                                                                                                 service) -> None:
+def test_a_header_two_workers_dispute_is_withdrawn_its_producer_barred_and_counted_as_a_mismatch(
+        stub, memory_service) -> None:
     profile = _profile("header-audit-mismatch", kv_dtype="bfloat16")
-    mismatches = _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}')
+    mismatches = _counter(memory_service, "inferscale_kv_audits_total", '{outcome="mismatch"}')
     first, second = _header(profile, seed=0), _header(profile, seed=1)
     _announce(stub, profile, first, "w-a")
     assert _header_wanted(stub, profile, "w-b")
     _announce(stub, profile, second, "w-b")  # one disagreement: set aside, the stored header stays
-    assert _served_header(stub, profile) == first and len(_quarantined(service, profile)) == 1
-    assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches
+    assert _served_header(stub, profile) == first and len(_quarantined(memory_service, profile)) == 1
+    assert _counter(memory_service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches
     assert _header_wanted(stub, profile, "w-c")
     _announce(stub, profile, second, "w-c")  # a second worker disagrees: the stored header goes, its producer barred
-    assert _counter(service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches + 1
+    assert _counter(memory_service, "inferscale_kv_audits_total", '{outcome="mismatch"}') == mismatches + 1
     served = _served_header(stub, profile)  # w-c's header, under another name than the withdrawn one's
     assert kv_difference(served, second) == 0.0
     assert decode_kv_blob(served).header.content_id != decode_kv_blob(first).header.content_id
-    assert [worker for worker, _, _ in _quarantined(service, profile)] == ["w-b", "w-a"]
+    assert [worker for worker, _, _ in _quarantined(memory_service, profile)] == ["w-b", "w-a"]
     assert not _header_wanted(stub, profile, "w-a")
     _announce(stub, profile, first, "w-a")  # barred: refused before any comparison
     assert _served_header(stub, profile) == served
     assert _header_wanted(stub, profile, "w-b")  # the new header's audit
 
 
-def test_a_header_of_another_layout_is_a_conflict_not_a_lock_on_the_profile(stub, service) -> None:
+def test_a_header_of_another_layout_is_a_conflict_not_a_lock_on_the_profile(stub, memory_service) -> None:
     """Regression (issue 31 review, H2): the first header's layout became the profile's, so an honest header of the
     model's layout after a bogus first one was INVALID_ARGUMENT (no conflict, no audit) and the profile stayed locked
     to the bogus layout. Now it is a differing header like any other: a conflict, and two of them withdraw the
     bogus one; the profile's layout is then the honest header's, whose facts are accepted."""
     profile = _profile("header-layout")
     bogus, honest = _header(profile, layers=LAYERS + 1), _header(profile, seed=1)
-    conflicts = _counter(service, "inferscale_kv_header_conflicts_total")
+    conflicts = _counter(memory_service, "inferscale_kv_header_conflicts_total")
     _announce(stub, profile, bogus, "w-bogus")
     _announce(stub, profile, honest, "w-a")  # no error: a conflict, set aside
-    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 1
+    assert _counter(memory_service, "inferscale_kv_header_conflicts_total") == conflicts + 1
     assert _served_header(stub, profile) == bogus
     _announce(stub, profile, honest, "w-b")  # a second worker: the bogus header is withdrawn, the honest one stored
-    assert _counter(service, "inferscale_kv_header_conflicts_total") == conflicts + 2
+    assert _counter(memory_service, "inferscale_kv_header_conflicts_total") == conflicts + 2
     assert kv_difference(_served_header(stub, profile), honest) == 0.0
     lease, uploads = _lease_and_upload(stub, profile, "w-a", lambda index: ("float32", LAYERS, None))
     assert stub.CompleteKvWork(pb.CompleteKvWorkRequest(lease_id=lease.lease_id, worker_id="w-a",

@@ -6,7 +6,6 @@ tests/precompute_worker/test_worker_end_to_end.py.
 
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -19,18 +18,17 @@ from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.layout import token_hash
 from inferscale_kv.profile import kv_profile_id
+from tests.stacks import UNAUDITED, ServerPool, Users
 
+user = Users(__name__)
 HEADER_IDS = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def memory_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
-    """This module's service, without the sampled audit: its tests play several workers uploading made-up KV, which
+def memory_service(servers: ServerPool) -> MemoryServiceProcess:
+    """The session's service without the sampled audit: these tests play several workers uploading made-up KV, which
     an audit would rightly withdraw (the audit's own tests: test_kv_audit.py)."""
-    root = tmp_path_factory.mktemp("kv_pipeline")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--kv-audit-share", "0").start()
-    yield service
-    service.stop()
+    return servers.memory_service(*UNAUDITED)
 
 
 def _profile(model: str) -> pb.KvProfile:
@@ -91,50 +89,50 @@ def _ingest(stub, user_id: str, count: int = 3) -> None:
 
 
 def test_announcing_a_profile_queues_every_stored_fact(stub) -> None:
-    _ingest(stub, "kvp-announce", count=3)
+    _ingest(stub, user("kvp-announce"), count=3)
     profile = _profile("model-announce")
     first = stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, announcer_id="w"))
     again = stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, announcer_id="w"))
     assert first.facts_queued >= 3 and again.facts_queued == 0
-    assert _profile_stats(stub, profile, "kvp-announce").queued == 3
+    assert _profile_stats(stub, profile, user("kvp-announce")).queued == 3
 
 
 def test_a_lease_carries_facts_and_their_preceding_turns(stub) -> None:
     profile = _announce(stub, "model-lease")
-    _ingest(stub, "kvp-lease", count=2)
+    _ingest(stub, user("kvp-lease"), count=2)
     lease = _lease(stub, profile)
-    items = [i for i in lease.items if i.user_id == "kvp-lease"]
+    items = [i for i in lease.items if i.user_id == user("kvp-lease")]
     assert sorted(i.fact_id for i in items) == ["f0", "f1"]
-    turns = next(u for u in lease.turns if u.user_id == "kvp-lease").turns
+    turns = next(u for u in lease.turns if u.user_id == user("kvp-lease")).turns
     assert [t.turn_id for t in turns] == ["t0", "t1", "t2", "t3"]  # up to the latest source turn (t3)
-    assert _profile_stats(stub, profile, "kvp-lease").leased == 2
+    assert _profile_stats(stub, profile, user("kvp-lease")).leased == 2
 
 
 def test_completed_kv_is_ready_with_token_ids_and_fetchable(stub) -> None:
     profile = _announce(stub, "model-complete")
-    _ingest(stub, "kvp-complete", count=3)
+    _ingest(stub, user("kvp-complete"), count=3)
     lease = _lease(stub, profile)
     uploads = [_upload(profile, item) for item in lease.items]
     assert _complete(stub, profile, lease, uploads).accepted == len(uploads)
-    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="kvp-complete", query="fact", top_k=10,
+    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user("kvp-complete"), query="fact", top_k=10,
                                                                  profile=profile, node_id="n1"))
     assert len(retrieved.facts) == 3 and all(f.kv_ready and f.kv_bytes > 0 for f in retrieved.facts)
     assert all(list(f.token_ids) == list(range(len(f.text.split()))) for f in retrieved.facts)
     f1 = next(f for f in retrieved.facts if f.fact_id == "f1")
-    fetched = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
+    fetched = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user("kvp-complete"),
                                                   facts=[pb.FactRef(fact_id="f1", version=1,
                                                                     content_id=f1.content_id)])))
     assert decode_kv_blob(fetched[0].blob).header.fact_id == "f1"
-    unnamed = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-complete",
+    unnamed = list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user("kvp-complete"),
                                                   facts=[pb.FactRef(fact_id="f1", version=1)])))
     assert unnamed[0].blob == b""  # only what the index stores under exactly this name is served
-    stats = _profile_stats(stub, profile, "kvp-complete")
+    stats = _profile_stats(stub, profile, user("kvp-complete"))
     assert (stats.queued, stats.leased, stats.done) == (0, 0, 3)
 
 
 def test_an_expired_lease_is_redelivered_to_another_worker(stub) -> None:
     profile = _announce(stub, "model-expiry")
-    _ingest(stub, "kvp-expiry", count=2)
+    _ingest(stub, user("kvp-expiry"), count=2)
     first = _lease(stub, profile, worker="dies", lease_seconds=1)
     assert len(first.items) == 2
     assert not _lease(stub, profile, worker="other").items  # still leased
@@ -147,20 +145,20 @@ def test_an_expired_lease_is_redelivered_to_another_worker(stub) -> None:
 
 def test_a_duplicate_completion_is_harmless(stub) -> None:
     profile = _announce(stub, "model-duplicate")
-    _ingest(stub, "kvp-duplicate", count=2)
+    _ingest(stub, user("kvp-duplicate"), count=2)
     lease = _lease(stub, profile)
     uploads = [_upload(profile, item) for item in lease.items]
     assert _complete(stub, profile, lease, uploads).accepted == 2
     again = _complete(stub, profile, lease, uploads)
     assert (again.accepted, again.duplicates) == (0, 2)
-    assert _profile_stats(stub, profile, "kvp-duplicate").done == 2
+    assert _profile_stats(stub, profile, user("kvp-duplicate")).done == 2
 
 
 def test_a_changed_fact_gets_a_new_version_and_its_old_kv_is_dropped(stub) -> None:
     profile = _announce(stub, "model-version")
-    _ingest(stub, "kvp-version", count=1)
+    _ingest(stub, user("kvp-version"), count=1)
     lease = _lease(stub, profile)
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="kvp-version", facts=[
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("kvp-version"), facts=[
         pb.FactInput(fact_id="f0", text="a changed fact", source_turn_id="t2")]))
     stale = _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
     assert (stale.accepted, stale.stale) == (0, 1)
@@ -170,32 +168,32 @@ def test_a_changed_fact_gets_a_new_version_and_its_old_kv_is_dropped(stub) -> No
 
 def test_deleting_facts_and_users_removes_their_kv_from_every_tier(stub) -> None:
     profile = _announce(stub, "model-cascade")
-    _ingest(stub, "kvp-cascade", count=3)
+    _ingest(stub, user("kvp-cascade"), count=3)
     lease = _lease(stub, profile)
     _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
 
-    content_ids = _content_ids(stub, profile, "kvp-cascade")
+    content_ids = _content_ids(stub, profile, user("kvp-cascade"))
 
     def kv_blobs(fact_ids):
         refs = [pb.FactRef(fact_id=f, version=1, content_id=content_ids[f]) for f in fact_ids]
-        return [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cascade",
-                                                               facts=refs))]
+        return [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id,
+                                                               user_id=user("kvp-cascade"), facts=refs))]
 
     assert all(kv_blobs(["f0", "f1", "f2"]))  # fetched: the host cache holds them too
     tiers_before = {t.name: t.entries for t in stub.GetStats(pb.GetStatsRequest()).tiers}
     assert set(tiers_before) == {"host", "disk"}
-    stub.DeleteFacts(pb.DeleteFactsRequest(user_id="kvp-cascade", fact_ids=["f0"]))
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user("kvp-cascade"), fact_ids=["f0"]))
     assert [bool(b) for b in kv_blobs(["f0", "f1", "f2"])] == [False, True, True]
-    stub.DeleteUser(pb.DeleteUserRequest(user_id="kvp-cascade"))
+    stub.DeleteUser(pb.DeleteUserRequest(user_id=user("kvp-cascade")))
     assert not any(kv_blobs(["f1", "f2"]))
     tiers_after = {t.name: t.entries for t in stub.GetStats(pb.GetStatsRequest()).tiers}
     assert all(tiers_after[name] == tiers_before[name] - 3 for name in tiers_before)
-    assert _profile_stats(stub, profile, "kvp-cascade").done == 0
+    assert _profile_stats(stub, profile, user("kvp-cascade")).done == 0
 
 
 def test_a_blob_for_another_fact_is_rejected(stub) -> None:
     profile = _announce(stub, "model-mismatch")
-    _ingest(stub, "kvp-mismatch", count=2)
+    _ingest(stub, user("kvp-mismatch"), count=2)
     lease = _lease(stub, profile)
     wrong = _upload(profile, lease.items[0])
     wrong.fact_id = lease.items[1].fact_id
@@ -213,13 +211,13 @@ def test_leasing_for_an_unknown_profile_is_not_found(stub) -> None:
 def test_a_lease_longer_than_the_services_longest_is_refused_and_changes_nothing(stub) -> None:
     """The service's longest lease (--kv-lease-max-seconds, 600 by default) bounds how long a worker holds work."""
     profile = _announce(stub, "model-long-lease")
-    _ingest(stub, "kvp-long-lease", count=2)
+    _ingest(stub, user("kvp-long-lease"), count=2)
     for seconds in (601, 2**31 - 1):
         with pytest.raises(grpc.RpcError) as raised:
             _lease(stub, profile, worker="hoarder", lease_seconds=seconds)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert raised.value.details().startswith("lease_seconds:") and "600" in raised.value.details()
-    stats = _profile_stats(stub, profile, "kvp-long-lease")
+    stats = _profile_stats(stub, profile, user("kvp-long-lease"))
     assert (stats.queued, stats.leased) == (2, 0)
     assert "hoarder" not in {w.worker_id for w in stub.GetStats(pb.GetStatsRequest()).workers}
     lease = _lease(stub, profile, worker="patient", lease_seconds=600)
@@ -232,10 +230,10 @@ def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> N
     with service.channel() as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
         profile = _announce(stub, "model-restart")
-        _ingest(stub, "kvp-restart", count=3)
+        _ingest(stub, user("kvp-restart"), count=3)
         lease = _lease(stub, profile)
         _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
-        content_ids = _content_ids(stub, profile, "kvp-restart")
+        content_ids = _content_ids(stub, profile, user("kvp-restart"))
     service.stop()
     corrupted = next((tmp_path / "data" / "kv" / "blobs").rglob("f1.v1.*.kv"))
     corrupted.write_bytes(corrupted.read_bytes()[:-7] + b"garbage")
@@ -248,10 +246,10 @@ def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> N
             assert disk.entries == 3
             refs = [pb.FactRef(fact_id=f"f{i}", version=1, content_id=content_ids[f"f{i}"]) for i in range(3)]
             blobs = [r.blob for r in stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id,
-                                                                    user_id="kvp-restart", facts=refs))]
+                                                                    user_id=user("kvp-restart"), facts=refs))]
             assert [bool(b) for b in blobs] == [True, False, True]
             assert decode_kv_blob(blobs[0]).header.fact_id == "f0"
-            stats = _profile_stats(stub, profile, "kvp-restart")
+            stats = _profile_stats(stub, profile, user("kvp-restart"))
             assert (stats.done, stats.queued) == (2, 1)
             assert [i.fact_id for i in _lease(stub, profile).items] == ["f1"]
     finally:
@@ -261,16 +259,16 @@ def test_restart_restores_stored_kv_and_requeues_a_corrupted_blob(tmp_path) -> N
 def test_a_worker_completing_after_the_fact_was_recreated_stores_nothing(stub) -> None:
     """Regression: a lease on the old fact completed into the re-created fact (versions restarted at 1)."""
     profile = _announce(stub, "model-recreate")
-    _ingest(stub, "kvp-recreate", count=1)
+    _ingest(stub, user("kvp-recreate"), count=1)
     old_lease = _lease(stub, profile, worker="slow")
     (old_item,) = old_lease.items
-    stub.DeleteFacts(pb.DeleteFactsRequest(user_id="kvp-recreate", fact_ids=["f0"]))
-    (recreated,) = stub.IngestFacts(pb.IngestFactsRequest(user_id="kvp-recreate", facts=[
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user("kvp-recreate"), fact_ids=["f0"]))
+    (recreated,) = stub.IngestFacts(pb.IngestFactsRequest(user_id=user("kvp-recreate"), facts=[
         pb.FactInput(fact_id="f0", text="a different fact now")])).facts
     assert recreated.version > old_item.version
     late = _complete(stub, profile, old_lease, [_upload(profile, old_item)], worker="slow")
     assert (late.accepted, late.stale) == (0, 1)
-    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="kvp-recreate", query="fact", top_k=5,
+    retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user("kvp-recreate"), query="fact", top_k=5,
                                                                  profile=profile, node_id="n1"))
     assert [(f.fact_id, f.version, f.kv_ready) for f in retrieved.facts] == [("f0", recreated.version, False)]
     (new_item,) = _lease(stub, profile).items
@@ -278,14 +276,14 @@ def test_a_worker_completing_after_the_fact_was_recreated_stores_nothing(stub) -
 
 
 def test_fact_versions_are_never_handed_out_twice(stub) -> None:
-    user = "kvp-versions"
-    versions = [stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+    user_id = user("kvp-versions")
+    versions = [stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
         pb.FactInput(fact_id="f0", text="first text")])).facts[0].version]
-    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user, fact_ids=["f0"]))
-    versions.append(stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user_id, fact_ids=["f0"]))
+    versions.append(stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
         pb.FactInput(fact_id="f0", text="second text")])).facts[0].version)
-    stub.DeleteUser(pb.DeleteUserRequest(user_id=user))
-    versions.append(stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+    stub.DeleteUser(pb.DeleteUserRequest(user_id=user_id))
+    versions.append(stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
         pb.FactInput(fact_id="f0", text="third text"), pb.FactInput(fact_id="f9", text="other")])).facts[0].version)
     assert versions == sorted(set(versions)) and versions[0] == 1
 
@@ -309,14 +307,14 @@ def test_the_header_kv_survives_disk_pressure_and_is_asked_for_again_when_lost(t
             # Announced by the worker that leases below: another worker would be asked for the header, to audit it.
             stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
                                                            announcer_id="w1", header_kv=_header_blob(profile)))
-            _ingest(stub, "kvp-header", count=20)
+            _ingest(stub, user("kvp-header"), count=20)
             lease = _lease(stub, profile)
             assert not lease.header_kv_wanted
             _complete(stub, profile, lease, [_upload(profile, i) for i in lease.items])
             header_id = content_id(profile.profile_id, [], HEADER_IDS)
 
             def header_blob() -> bytes:
-                (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-header",
+                (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user("kvp-header"),
                                                           include_header=True, header_content_id=header_id))
                 return reply.blob
 
@@ -327,7 +325,7 @@ def test_the_header_kv_survives_disk_pressure_and_is_asked_for_again_when_lost(t
             header_file.write_bytes(b"torn")
             assert header_blob() == b""
             retrieved = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
-                user_id="kvp-header", query="fact", top_k=3, profile=profile, node_id="n1"))
+                user_id=user("kvp-header"), query="fact", top_k=3, profile=profile, node_id="n1"))
             assert retrieved.header_content_id == ""  # the node serves the memory as text meanwhile
             assert _lease(stub, profile).header_kv_wanted
             stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
@@ -364,5 +362,5 @@ def test_a_fetch_of_more_facts_than_a_request_may_retrieve_is_refused(stub) -> N
     profile = _announce(stub, "model-fetch-cap")
     refs = [pb.FactRef(fact_id=f"f{index}", version=1, content_id="0" * 32) for index in range(1001)]
     with pytest.raises(grpc.RpcError) as raised:
-        list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id="kvp-cap", facts=refs)))
+        list(stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user("kvp-cap"), facts=refs)))
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "facts" in raised.value.details()

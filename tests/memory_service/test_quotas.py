@@ -8,18 +8,16 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from tests.conftest import own_memory_service
 
 
 @pytest.fixture(scope="module")
 def quota_stub(tmp_path_factory) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
-    root = tmp_path_factory.mktemp("quota")
-    service = MemoryServiceProcess(root / "data", root / "service.log", "--max-facts-per-user", "5").start()
-    with service.channel() as channel:
+    with own_memory_service(tmp_path_factory, "quota", "--max-facts-per-user", "5") as service, \
+            service.channel() as channel:
         yield memory_pb2_grpc.MemoryServiceStub(channel)
-    service.stop()
 
 
 def _facts(*ids: str, text: str = "text") -> list[pb.FactInput]:

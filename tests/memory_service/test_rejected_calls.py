@@ -24,6 +24,7 @@ from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
 from inferscale_kv.kv_key import content_id
 from inferscale_kv.profile import kv_profile_id
 from memory_service.config import Limits
+from tests.conftest import own_memory_service
 
 USER = "rejected-user"
 FACTS = 5
@@ -80,21 +81,15 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("rejected")
-    process = MemoryServiceProcess(root / "data", root / "service.log").start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(service: MemoryServiceProcess) -> Iterator[memory_pb2_grpc.MemoryServiceStub]:
-    """A stub of the service, whose one user holds FACTS facts."""
-    with service.channel() as channel:
-        stub = memory_pb2_grpc.MemoryServiceStub(channel)
-        stub.IngestFacts(pb.IngestFactsRequest(user_id=USER, facts=[
-            pb.FactInput(fact_id=f"f{i}", text=f"Fact {i}: she walks her dog along the river.") for i in range(FACTS)]))
-        yield stub
+def memory_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
+    """A service of this module's own (its checks read the whole coordination store), whose one user holds FACTS
+    facts."""
+    with own_memory_service(tmp_path_factory, "rejected") as service:
+        with service.channel() as channel:
+            memory_pb2_grpc.MemoryServiceStub(channel).IngestFacts(pb.IngestFactsRequest(user_id=USER, facts=[
+                pb.FactInput(fact_id=f"f{i}", text=f"Fact {i}: she walks her dog along the river.")
+                for i in range(FACTS)]))
+        yield service
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +97,9 @@ def model_id(stub) -> str:
     return stub.GetStats(pb.GetStatsRequest()).embedding_model_id
 
 
-def _coordination_rows(service: MemoryServiceProcess) -> tuple[list[tuple], list[tuple]]:
+def _coordination_rows(memory_service: MemoryServiceProcess) -> tuple[list[tuple], list[tuple]]:
     """The coordination store's profiles and jobs, read from its SQLite file."""
-    path = Path(service.data_dir) / "kv" / "index.sqlite"
+    path = Path(memory_service.data_dir) / "kv" / "index.sqlite"
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as database:
         profiles = database.execute("SELECT profile_id FROM profiles").fetchall()
         jobs = database.execute("SELECT profile_id, user_id, fact_id FROM jobs").fetchall()
@@ -112,29 +107,29 @@ def _coordination_rows(service: MemoryServiceProcess) -> tuple[list[tuple], list
     return profiles, jobs
 
 
-def _registered(stub, service: MemoryServiceProcess) -> tuple[list[str], int, list[tuple], list[tuple]]:
+def _registered(stub, memory_service: MemoryServiceProcess) -> tuple[list[str], int, list[tuple], list[tuple]]:
     """Profiles and work as GetStats reports them (profile ids, facts queued for USER) and as stored."""
     profiles = stub.GetStats(pb.GetStatsRequest(user_id=USER)).profiles
-    return [p.profile_id for p in profiles], sum(p.queued for p in profiles), *_coordination_rows(service)
+    return [p.profile_id for p in profiles], sum(p.queued for p in profiles), *_coordination_rows(memory_service)
 
 
 @pytest.mark.parametrize(("case", "fields", "code", "field"), CASES, ids=[case[0] for case in CASES])
-def test_a_rejected_retrieve_and_stage_registers_no_profile_and_queues_no_work(stub, service, model_id, case, fields,
-                                                                               code, field) -> None:
+def test_a_rejected_retrieve_and_stage_registers_no_profile_and_queues_no_work(stub, memory_service, model_id, case,
+                                                                               fields, code, field) -> None:
     with pytest.raises(grpc.RpcError) as raised:
         stub.RetrieveAndStage(_request(case, model_id, **fields))
     assert raised.value.code() == code, raised.value.details()
     assert raised.value.details().startswith(field), raised.value.details()
-    assert _registered(stub, service) == ([], 0, [], [])
+    assert _registered(stub, memory_service) == ([], 0, [], [])
 
 
-def test_an_accepted_retrieve_and_stage_registers_its_profile_and_queues_the_users_facts(stub, service,
+def test_an_accepted_retrieve_and_stage_registers_its_profile_and_queues_the_users_facts(stub, memory_service,
                                                                                         model_id) -> None:
     """The check above can see a registration: a valid call makes one."""
-    assert _registered(stub, service) == ([], 0, [], [])
+    assert _registered(stub, memory_service) == ([], 0, [], [])
     request = _request("accepted", model_id)
     assert len(stub.RetrieveAndStage(request).facts) == 3
-    profile_ids, queued, profiles, jobs = _registered(stub, service)
+    profile_ids, queued, profiles, jobs = _registered(stub, memory_service)
     assert profile_ids == [request.profile.profile_id] and profiles == [(request.profile.profile_id,)]
     assert queued == FACTS and len(jobs) == FACTS
 

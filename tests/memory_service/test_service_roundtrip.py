@@ -12,7 +12,9 @@ import pytest
 
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.profile import kv_profile_id
+from tests.stacks import Users
 
+user = Users(__name__)
 PET_FACTS = [
     pb.FactInput(fact_id="pet", text="Caroline adopted a golden retriever named Max last spring."),
     pb.FactInput(fact_id="job", text="Caroline works as a counselor at a youth center."),
@@ -25,30 +27,31 @@ def _all_fact_ids(stub, user_id: str) -> list[str]:
 
 
 def test_ingested_facts_are_searchable_with_the_relevant_fact_first(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-search", facts=PET_FACTS))
-    response = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-search", query="What kind of dog does she have?"))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-search"), facts=PET_FACTS))
+    response = stub.SearchFacts(pb.SearchFactsRequest(user_id=user("rt-search"),
+                                                      query="What kind of dog does she have?"))
     assert [scored.rank for scored in response.facts] == [1, 2, 3]
     assert response.facts[0].fact.fact_id == "pet"
     assert response.facts[0].score > response.facts[1].score
 
 
 def test_search_returns_at_most_top_k_facts(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-topk", facts=PET_FACTS))
-    response = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-topk", query="dog", top_k=2))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-topk"), facts=PET_FACTS))
+    response = stub.SearchFacts(pb.SearchFactsRequest(user_id=user("rt-topk"), query="dog", top_k=2))
     assert len(response.facts) == 2
 
 
 def test_search_for_a_user_without_facts_is_empty(stub) -> None:
-    assert not stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-nobody", query="anything")).facts
+    assert not stub.SearchFacts(pb.SearchFactsRequest(user_id=user("rt-nobody"), query="anything")).facts
 
 
 def test_list_facts_pages_through_every_fact_once_in_id_order(stub) -> None:
     facts = [pb.FactInput(fact_id=f"fact-{i:03d}", text=f"Numbered fact {i}") for i in range(25)]
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-pages", facts=facts))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-pages"), facts=facts))
     seen: list[str] = []
     token = ""
     while True:
-        page = stub.ListFacts(pb.ListFactsRequest(user_id="rt-pages", page_size=7, page_token=token))
+        page = stub.ListFacts(pb.ListFactsRequest(user_id=user("rt-pages"), page_size=7, page_token=token))
         assert len(page.facts) <= 7
         seen.extend(fact.fact_id for fact in page.facts)
         token = page.next_page_token
@@ -59,26 +62,27 @@ def test_list_facts_pages_through_every_fact_once_in_id_order(stub) -> None:
 
 def test_retried_ingest_creates_no_duplicates(stub) -> None:
     request = pb.IngestFactsRequest(
-        user_id="rt-retry", facts=[pb.FactInput(text="Melanie paints sunsets."), pb.FactInput(text="Melanie runs.")]
+        user_id=user("rt-retry"),
+        facts=[pb.FactInput(text="Melanie paints sunsets."), pb.FactInput(text="Melanie runs.")]
     )
     first = stub.IngestFacts(request)
     second = stub.IngestFacts(request)
     assert [f.outcome for f in first.facts] == [pb.INGEST_OUTCOME_CREATED] * 2
     assert [f.outcome for f in second.facts] == [pb.INGEST_OUTCOME_UNCHANGED] * 2
     assert [f.fact_id for f in first.facts] == [f.fact_id for f in second.facts]
-    assert stub.GetStats(pb.GetStatsRequest(user_id="rt-retry")).facts == 2
+    assert stub.GetStats(pb.GetStatsRequest(user_id=user("rt-retry"))).facts == 2
 
 
 def test_changed_content_bumps_the_version_and_keeps_created_at(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-version",
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-version"),
                                            facts=[pb.FactInput(fact_id="city", text="Lives in Oslo")]))
-    (before,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-version")).facts
+    (before,) = stub.ListFacts(pb.ListFactsRequest(user_id=user("rt-version"))).facts
     response = stub.IngestFacts(
-        pb.IngestFactsRequest(user_id="rt-version", facts=[pb.FactInput(fact_id="city", text="Lives in Bergen")])
+        pb.IngestFactsRequest(user_id=user("rt-version"), facts=[pb.FactInput(fact_id="city", text="Lives in Bergen")])
     )
     assert response.facts[0].outcome == pb.INGEST_OUTCOME_UPDATED
     assert response.facts[0].version == 2
-    (after,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-version")).facts
+    (after,) = stub.ListFacts(pb.ListFactsRequest(user_id=user("rt-version"))).facts
     assert after.text == "Lives in Bergen" and after.version == 2
     assert after.created_at == before.created_at
     assert after.updated_at.ToMicroseconds() > before.updated_at.ToMicroseconds()
@@ -87,29 +91,29 @@ def test_changed_content_bumps_the_version_and_keeps_created_at(stub) -> None:
 def test_fact_fields_round_trip(stub) -> None:
     fact = pb.FactInput(fact_id="trip", text="Went to Lisbon", source_turn_id="D2:4", metadata={"speaker": "Jon"})
     fact.timestamp.FromJsonString("2023-05-08T13:56:00Z")
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-fields", facts=[fact]))
-    (stored,) = stub.ListFacts(pb.ListFactsRequest(user_id="rt-fields")).facts
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-fields"), facts=[fact]))
+    (stored,) = stub.ListFacts(pb.ListFactsRequest(user_id=user("rt-fields"))).facts
     assert (stored.user_id, stored.fact_id, stored.text, stored.source_turn_id) == (
-        "rt-fields", "trip", "Went to Lisbon", "D2:4"
+        user("rt-fields"), "trip", "Went to Lisbon", "D2:4"
     )
     assert dict(stored.metadata) == {"speaker": "Jon"}
     assert stored.timestamp.ToJsonString() == "2023-05-08T13:56:00Z"
 
 
 def test_delete_facts_removes_only_the_named_facts_and_reports_unknown_ids(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-delete", facts=PET_FACTS))
-    response = stub.DeleteFacts(pb.DeleteFactsRequest(user_id="rt-delete", fact_ids=["pet", "no-such-fact"]))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-delete"), facts=PET_FACTS))
+    response = stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user("rt-delete"), fact_ids=["pet", "no-such-fact"]))
     assert response.facts_deleted == 1
     assert list(response.not_found_fact_ids) == ["no-such-fact"]
-    assert _all_fact_ids(stub, "rt-delete") == ["food", "job"]
+    assert _all_fact_ids(stub, user("rt-delete")) == ["food", "job"]
 
 
 def test_delete_user_removes_facts_and_turns(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-gone", facts=PET_FACTS))
-    stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-gone", turns=[pb.Turn(turn_id="D1:1", seq=1, text="Hi!")]))
-    response = stub.DeleteUser(pb.DeleteUserRequest(user_id="rt-gone"))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-gone"), facts=PET_FACTS))
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id=user("rt-gone"), turns=[pb.Turn(turn_id="D1:1", seq=1, text="Hi!")]))
+    response = stub.DeleteUser(pb.DeleteUserRequest(user_id=user("rt-gone")))
     assert (response.facts_deleted, response.turns_deleted) == (3, 1)
-    stats = stub.GetStats(pb.GetStatsRequest(user_id="rt-gone"))
+    stats = stub.GetStats(pb.GetStatsRequest(user_id=user("rt-gone")))
     assert (stats.users, stats.facts, stats.turns) == (0, 0, 0)
 
 
@@ -119,51 +123,51 @@ def _searched(stub, user_id: str) -> list[tuple[str, str, int]]:
 
 
 def test_search_sees_every_acknowledged_update_delete_and_new_fact(stub) -> None:
-    user = "rt-fresh"
-    stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=PET_FACTS))
-    assert len(_searched(stub, user)) == 3  # the user's facts are now in the search cache
-    stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[
+    fresh = user("rt-fresh")
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=fresh, facts=PET_FACTS))
+    assert len(_searched(stub, fresh)) == 3  # the user's facts are now in the search cache
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=fresh, facts=[
         pb.FactInput(fact_id="job", text="Caroline now teaches art."),
         pb.FactInput(fact_id="car", text="Caroline drives a van.")]))
-    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user, fact_ids=["food"]))
-    assert _searched(stub, user) == [("car", "Caroline drives a van.", 1), ("job", "Caroline now teaches art.", 2),
+    stub.DeleteFacts(pb.DeleteFactsRequest(user_id=fresh, fact_ids=["food"]))
+    assert _searched(stub, fresh) == [("car", "Caroline drives a van.", 1), ("job", "Caroline now teaches art.", 2),
                                      ("pet", PET_FACTS[0].text, 1)]
-    stub.DeleteUser(pb.DeleteUserRequest(user_id=user))
-    assert _searched(stub, user) == []
+    stub.DeleteUser(pb.DeleteUserRequest(user_id=fresh))
+    assert _searched(stub, fresh) == []
 
 
 def test_turn_reingest_overwrites_instead_of_duplicating(stub) -> None:
     turns = [pb.Turn(turn_id=f"D1:{i}", seq=i, session_id="S1", speaker="Jon", text=f"turn {i}") for i in range(5)]
-    stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-turns", turns=turns))
-    response = stub.IngestTurns(pb.IngestTurnsRequest(user_id="rt-turns", turns=turns))
+    stub.IngestTurns(pb.IngestTurnsRequest(user_id=user("rt-turns"), turns=turns))
+    response = stub.IngestTurns(pb.IngestTurnsRequest(user_id=user("rt-turns"), turns=turns))
     assert response.turns_written == 5
-    assert stub.GetStats(pb.GetStatsRequest(user_id="rt-turns")).turns == 5
+    assert stub.GetStats(pb.GetStatsRequest(user_id=user("rt-turns"))).turns == 5
 
 
 def test_concurrent_ingests_of_the_same_facts_create_no_duplicates(stub) -> None:
     facts = [pb.FactInput(text=f"Concurrent fact number {i}") for i in range(20)]
-    request = pb.IngestFactsRequest(user_id="rt-concurrent", facts=facts)
+    request = pb.IngestFactsRequest(user_id=user("rt-concurrent"), facts=facts)
     with ThreadPoolExecutor(max_workers=8) as pool:
         responses = list(pool.map(lambda _: stub.IngestFacts(request), range(8)))
     created = sum(f.outcome == pb.INGEST_OUTCOME_CREATED for r in responses for f in r.facts)
     assert created == 20
-    assert stub.GetStats(pb.GetStatsRequest(user_id="rt-concurrent")).facts == 20
-    assert len(_all_fact_ids(stub, "rt-concurrent")) == 20
+    assert stub.GetStats(pb.GetStatsRequest(user_id=user("rt-concurrent"))).facts == 20
+    assert len(_all_fact_ids(stub, user("rt-concurrent"))) == 20
 
 
 def test_retrieve_and_stage_returns_ranked_facts_marked_not_ready(stub) -> None:
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-stage", facts=PET_FACTS))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-stage"), facts=PET_FACTS))
     profile = pb.KvProfile(
         model="smollm2-135m", model_hash="m", kv_dtype="float32", tokenizer_hash="t", header_hash="h",
         recipe="chunked-rope-cwe", recipe_version=1, context_window=0,
     )
     profile.profile_id = kv_profile_id(profile)
     response = stub.RetrieveAndStage(
-        pb.RetrieveAndStageRequest(user_id="rt-stage", query="dog", top_k=2, profile=profile, node_id="node-0")
+        pb.RetrieveAndStageRequest(user_id=user("rt-stage"), query="dog", top_k=2, profile=profile, node_id="node-0")
     )
     assert [fact.fact_id for fact in response.facts][0] == "pet"
     assert all(not fact.kv_ready and not fact.token_ids for fact in response.facts)
-    listed = {f.fact_id: f.created_at for f in stub.ListFacts(pb.ListFactsRequest(user_id="rt-stage")).facts}
+    listed = {f.fact_id: f.created_at for f in stub.ListFacts(pb.ListFactsRequest(user_id=user("rt-stage"))).facts}
     assert all(fact.created_at == listed[fact.fact_id] and fact.created_at.seconds for fact in response.facts)
 
 
@@ -184,13 +188,13 @@ def test_metrics_endpoint_counts_calls_by_method_and_code(stub, memory_service) 
 def test_a_query_embedded_by_the_caller_with_the_services_model_finds_what_its_text_finds(stub) -> None:
     from inference_node.query_embedding import LocalQueryEmbedder
 
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-vector", facts=PET_FACTS))
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-vector"), facts=PET_FACTS))
     stats = stub.GetStats(pb.GetStatsRequest())
     vector, model_id = asyncio.run(LocalQueryEmbedder(stats.embedding_model).embed("dog"))
     assert model_id == stats.embedding_model_id and model_id.startswith(stats.embedding_model + "@")
-    by_text = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query="dog", top_k=3,
+    by_text = stub.SearchFacts(pb.SearchFactsRequest(user_id=user("rt-vector"), query="dog", top_k=3,
                                                      retrieval=pb.RETRIEVAL_MODE_VECTOR)).facts
-    by_vector = stub.SearchFacts(pb.SearchFactsRequest(user_id="rt-vector", query_vector=vector,
+    by_vector = stub.SearchFacts(pb.SearchFactsRequest(user_id=user("rt-vector"), query_vector=vector,
                                                        embedding_model_id=model_id, top_k=3)).facts
     assert [f.fact.fact_id for f in by_vector] == [f.fact.fact_id for f in by_text]
     assert [f.score for f in by_vector] == pytest.approx([f.score for f in by_text], abs=1e-4)
@@ -198,12 +202,12 @@ def test_a_query_embedded_by_the_caller_with_the_services_model_finds_what_its_t
 
 def test_the_rpc_log_line_says_where_an_ingests_and_a_retrieves_time_went(stub, memory_service) -> None:
     """Operators reading a slow call's log line see its steps, each timed from the end of the one before."""
-    stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-steps", facts=PET_FACTS[:1]),
+    stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-steps"), facts=PET_FACTS[:1]),
                      metadata=(("x-request-id", "steps-ingest"),))
     profile = pb.KvProfile(model="m", model_hash="mh", kv_dtype="bfloat16", tokenizer_hash="th", header_hash="hh",
                            recipe="chunked-rope-cwe", recipe_version=1)
     profile.profile_id = kv_profile_id(profile)
-    stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id="rt-steps", query="pets?", top_k=1, profile=profile,
+    stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user("rt-steps"), query="pets?", top_k=1, profile=profile,
                                                      node_id="n"), metadata=(("x-request-id", "steps-retrieve"),))
     lines = [json.loads(line) for line in memory_service.log_path.read_text().splitlines() if line.startswith("{")]
     rpc = {line["request_id"]: line for line in lines if line.get("event") == "rpc" and "request_id" in line}
@@ -220,7 +224,7 @@ def test_a_call_past_its_deadline_is_logged_and_counted_as_cancelled_not_ok(stub
     facts = [pb.FactInput(text=f"fact {n}: " + "the user keeps a long diary of walks, meals and friends " * 6)
              for n in range(200)]
     with pytest.raises(grpc.RpcError) as error:
-        stub.IngestFacts(pb.IngestFactsRequest(user_id="rt-deadline", facts=facts), timeout=0.3,
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-deadline"), facts=facts), timeout=0.3,
                          metadata=(("x-request-id", "deadline-ingest"),))
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     for _ in range(100):

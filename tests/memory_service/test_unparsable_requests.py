@@ -10,10 +10,12 @@ import grpc
 import pytest
 
 from inferscale.v1 import memory_pb2 as pb
+from tests.stacks import Users
 
+user = Users(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["MemoryService"]
 
-USER = "unparsable-user"
+USER = user("unparsable-user")
 TEXT = "Maya keeps a kayak under the porch."
 NOT_UTF8 = b"\xff\xfe\xc3("  # no UTF-8 decoder accepts it
 

@@ -1,18 +1,25 @@
 """The real worker against the real service: every fact of every user gets exact, usable KV."""
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from demo.conversation import load_conversation
+from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.blob import decode_kv_blob
 from inferscale_kv.layout import fact_token_ids, memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.rope import RotaryTables, apply_rope
 from precompute_worker.worker import profile_message
-from tests.conftest import run_worker
+from tests.conftest import own_memory_service, run_worker
+from tests.stacks import Users
 
-USERS = ("e2e-maya", "e2e-maya-twin")
+user = Users(__name__)
+USERS = (user("e2e-maya"), user("e2e-maya-twin"))
 
 
 def _retrieve_all(stub, user_id: str, profile: pb.KvProfile) -> list[pb.RetrievedFact]:
@@ -20,7 +27,20 @@ def _retrieve_all(stub, user_id: str, profile: pb.KvProfile) -> list[pb.Retrieve
         user_id=user_id, query="Maya", top_k=100, profile=profile, node_id="test-node")).facts)
 
 
-def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_service, stub, smollm2_dir) -> None:
+@pytest.fixture(scope="module")
+def own_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
+    """A service of this test's own: a worker of a new profile computes KV for every fact its service holds, and the
+    shared one holds every other module's."""
+    with own_memory_service(tmp_path_factory, "smollm2-service") as service:
+        yield service
+
+
+def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(own_service, smollm2_dir) -> None:
+    with own_service.channel() as channel:
+        _check_smollm2_worker(own_service, memory_pb2_grpc.MemoryServiceStub(channel), smollm2_dir)
+
+
+def _check_smollm2_worker(memory_service, stub, smollm2_dir) -> None:
     for user_id in USERS:
         conversation = load_conversation(user_id=user_id)
         stub.IngestTurns(pb.IngestTurnsRequest(user_id=user_id, turns=conversation.turns))
@@ -50,7 +70,7 @@ def test_worker_stores_kv_for_every_fact_of_two_users_with_smollm2(memory_servic
 
 
 def test_kv_through_worker_and_service_reproduces_plain_prefill(memory_service, stub, tiny_llama_dir) -> None:
-    user_id = "e2e-exact"
+    user_id = user("e2e-exact")
     stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
         pb.FactInput(fact_id="bees", text="Ana keeps bees on the roof of her house.")]))
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
