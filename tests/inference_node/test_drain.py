@@ -16,7 +16,8 @@ import uvloop
 from inference_node.drain import STOP_SIGNALS, StopWatch
 from inference_node.middleware import MemoryMiddleware
 from inference_node.settings import SETTINGS_ENV, NodeSettings
-from tests.inference_node.test_middleware_input import PROFILE, RecordingApp, _request
+from tests.inference_node.asgi import RecordingApp
+from tests.inference_node.test_middleware_input import PROFILE, _request
 
 
 @pytest.fixture

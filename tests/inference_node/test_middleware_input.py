@@ -4,8 +4,6 @@ the log names too). A recording ASGI app stands in for vLLM (through the real no
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 
 import pytest
@@ -13,18 +11,9 @@ import pytest
 from inference_node import middleware as middleware_module
 from inference_node.middleware import MAX_BODY_BYTES, MemoryMiddleware
 from inference_node.settings import SETTINGS_ENV, NodeSettings
+from tests.inference_node.asgi import RecordingApp, asgi_request
 
 PROFILE = {"profile_id": "p", "model": "m", "kv_dtype": "float32"}
-
-
-class RecordingApp:
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        self.bodies.append((await receive())["body"])
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
 
 
 @pytest.fixture
@@ -39,21 +28,8 @@ def _request(middleware: MemoryMiddleware, chunks: list[bytes], headers: list[tu
              path: str = "/v1/completions", method: str = "POST") -> tuple[int, dict, dict]:
     """(status, JSON body or {}, response headers) of one request (a POST unless `method` says) whose body arrives
     in `chunks`."""
-    messages = [{"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1}
-                for index, chunk in enumerate(chunks)]
-    sent: list[dict] = []
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": method, "path": path,
-             "headers": headers if headers is not None else [(b"content-type", b"application/json")]}
-    asyncio.run(middleware(scope, receive, send))
-    body = b"".join(message.get("body", b"") for message in sent[1:])
-    return sent[0]["status"], json.loads(body) if body.startswith(b"{") else {}, dict(sent[0]["headers"])
+    answer = asgi_request(middleware, chunks, headers, path, method)
+    return answer.status, answer.json(), answer.headers
 
 
 def test_a_body_past_the_limit_is_a_413_before_it_is_buffered(served) -> None:

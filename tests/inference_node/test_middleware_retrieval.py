@@ -20,6 +20,7 @@ from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
 from inferscale_kv.limits import MAX_SEARCH_TOP_K
 from inferscale_kv.model_profile import build_model_profile
+from tests.inference_node.asgi import RecordingApp, asgi_request
 from tests.stacks import Users
 
 user = Users(__name__)
@@ -28,16 +29,6 @@ DOG_FACTS = ["Caroline's dog Max loves the beach.", "Caroline walks her dog ever
              "Caroline's dog is a golden retriever.", "Caroline bought her dog a new red collar."]
 PARCEL = "Parcel QJ-7731 shipped on Tuesday."
 QUESTION = "What did Caroline say about her dog and parcel QJ-7731?"
-
-
-class RecordingApp:
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        self.bodies.append(json.loads((await receive())["body"]))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
 
 
 @pytest.fixture(scope="module")
@@ -72,25 +63,14 @@ def _chat(served: Served, memory: dict) -> tuple[int, dict, dict]:
     """(status, JSON answer, x-inferscale-memory summary or {}) of one chat request with `memory`."""
     body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}],
             "memory": {"user_id": USER, "mode": "text", **memory}}
-    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    sent: list[dict] = []
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"content-type", b"application/json")]}
-    served.loop.run_until_complete(served.middleware(scope, receive, send))
-    headers = dict(sent[0]["headers"])
-    summary = json.loads(headers[b"x-inferscale-memory"]) if b"x-inferscale-memory" in headers else {}
-    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:])), summary
+    answer = asgi_request(served.middleware, [json.dumps(body).encode()], path="/v1/chat/completions",
+                          loop=served.loop)
+    summary = answer.headers.get(b"x-inferscale-memory")
+    return answer.status, answer.json(), json.loads(summary) if summary else {}
 
 
 def _memory_block(app: RecordingApp) -> str:
-    return app.bodies[-1]["messages"][0]["content"]
+    return app.json()["messages"][0]["content"]
 
 
 def test_the_requested_retrieval_mode_ranks_the_memory(served) -> None:

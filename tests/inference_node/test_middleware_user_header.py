@@ -3,40 +3,19 @@ stands in for vLLM (the real node's HTTP behaviour is in test_node_http)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from inference_node.middleware import MemoryMiddleware
 from inference_node.settings import SETTINGS_ENV, NodeSettings
+from tests.inference_node.asgi import RecordingApp, asgi_request
 
 PROFILE = {"profile_id": "p", "model": "m", "kv_dtype": "float32"}
 
 
-class RecordingApp:
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
-
-    async def __call__(self, scope, receive, send) -> None:
-        self.bodies.append(json.loads((await receive())["body"]))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-
 def _post(middleware: MemoryMiddleware, body: dict, headers: list[tuple[bytes, bytes]]) -> int:
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
-    asyncio.run(middleware(scope, receive, send))
-    return sent[0]["status"]
+    return asgi_request(middleware, [json.dumps(body).encode()], headers, "/v1/chat/completions").status
 
 
 @pytest.fixture
@@ -63,7 +42,7 @@ def test_a_request_naming_another_user_than_the_gateway_header_is_refused_before
 def test_a_request_naming_the_gateway_users_own_memory_is_served(guarded):
     middleware, app = guarded
     assert _post(middleware, _request("acme/maya"), [(b"X-Authenticated-User", b"acme/maya")]) == 200
-    assert len(app.bodies) == 1 and "memory" not in app.bodies[0]
+    assert len(app.bodies) == 1 and "memory" not in app.json(0)
 
 
 def test_a_request_carrying_the_user_header_twice_is_refused(guarded):

@@ -39,6 +39,7 @@ from inference_node.settings import SETTINGS_ENV
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.ids import ID_PATTERN, MAX_ID_CHARS
 from tests.conftest import run_worker
+from tests.inference_node.asgi import asgi_request
 from tests.inference_node.conftest import complete
 from tests.stacks import NODE_FLAGS, Users
 
@@ -365,19 +366,9 @@ class MiddlewareFront(Front):
                                                                      {"mode": mode}) or 0 for mode in MODES)
 
     def post(self, path: str, raw: bytes) -> Answer:
-        messages = [{"type": "http.request", "body": raw, "more_body": False}]
-        sent: list[dict] = []
-
-        async def receive():
-            return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")]}
-        self._loop.run_until_complete(self._middleware(scope, receive, send))
-        headers = {key.decode().lower(): value.decode() for key, value in sent[0]["headers"]}
-        return Answer(sent[0]["status"], headers, b"".join(message.get("body", b"") for message in sent[1:]))
+        answer = asgi_request(self._middleware, [raw], path=path, loop=self._loop)
+        return Answer(answer.status, {key.decode().lower(): value.decode() for key, value in answer.headers.items()},
+                      answer.body)
 
     def close(self) -> None:
         self._loop.close()
