@@ -16,6 +16,7 @@ together are kept, the rest left out, in kv and text mode alike.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,11 @@ MEMORY_FIELDS = ("user_id", "top_k", "mode", "order", "recompute_tail_facts", "k
 RETRIEVAL_MODES = {"vector": pb.RETRIEVAL_MODE_VECTOR, "keyword": pb.RETRIEVAL_MODE_KEYWORD,
                    "hybrid": pb.RETRIEVAL_MODE_HYBRID}
 MAX_MEMORY_TOKENS = 1 << 20  # the largest memory.max_tokens (and kv_crossover_tokens) a request may give
+
+
+def leading_field(message: str) -> str:
+    """The field a refusal's message starts with (`memory.top_k: ...` -> `memory`; `query: ...` -> `query`)."""
+    return re.split(r"[.\[:]", message, maxsplit=1)[0]
 
 
 class RequestRefused(ValueError):

@@ -7,8 +7,8 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
 - On POST /v1/chat/completions and /v1/completions, `memory` is removed and read (inference_node.memory_request),
   the user's facts retrieved (inference_node.retrieval) and placed in the prompt (inference_node.placement); the
   rewritten body is replayed to vLLM once and `receive` delegated. Responses get an `x-inferscale-memory` header
-  with a JSON summary; if the memory service fails the call the request is answered without memory, and the header
-  says so.
+  with a JSON summary; if the memory service fails the call (other than by refusing a value the request gave: a 400
+  naming the request's field) the request is answered without memory, and the header says so.
 - The middleware answers itself, with a 4xx whose message starts with the field, whatever those modules refuse
   (RequestRefused), a body that is not JSON though it says it is, nested too deeply for the parser, or larger than
   MAX_BODY_BYTES (413); and, on any other route, a `memory` field. Any failure of its own is logged with the request
@@ -34,6 +34,7 @@ from inference_node.memory_request import (
     MemoryRequest,
     MemoryRequestError,
     RequestRefused,
+    leading_field,
     parse_memory,
     question_of,
 )
@@ -89,7 +90,7 @@ class MemoryMiddleware:
             forward = await self._admit(scope, receive, send)
         except RequestRefused as refused:
             message = str(refused)
-            await _send_error(send, refused.status, message, re.split(r"[.\[:]", message, maxsplit=1)[0], request_id)
+            await _send_error(send, refused.status, message, leading_field(message), request_id)
             return
         except RecursionError:  # the body's nesting, wherever it was met (parsing, re-serializing)
             await _send_error(send, 400, "body: nested too deeply to parse", "body", request_id)
@@ -148,6 +149,7 @@ class MemoryMiddleware:
                           summary: dict[str, Any]) -> dict[str, bytes]:
         """Puts the user's memory in the request (MemoryPlacement.place), or nothing where the memory service failed
         the call; the body members to add, already JSON."""
+        self._placement.prepare()  # before the memory service is asked: a node without its tokenizer asks nothing
         retrieved = await self._retriever.retrieve(memory, query, path)
         if isinstance(retrieved, Dropped):
             summary.update(retrieved.summary_fields())

@@ -56,7 +56,9 @@ class MemoryPlacement:
         self._signer = PlanSigner(plan_secret_from_env())
         self._parts: PromptParts | None = None
 
-    def _prompt_parts(self) -> PromptParts:
+    def prepare(self) -> PromptParts:
+        """The prompt's parts, from the model's tokenizer (loaded on the first call; a failure leaves nothing set, and
+        the next call tries again). Called before the memory service is asked for a request's facts."""
         if self._parts is None:
             from transformers import AutoTokenizer
 
@@ -67,7 +69,7 @@ class MemoryPlacement:
               summary: dict[str, Any]) -> dict[str, bytes]:
         """Puts the memory in the request: in `payload`, or, for what holds every token id of the memory (the signed
         load plan, a token-id prompt), in the body members it returns, already JSON; its fields in `summary`."""
-        parts = self._prompt_parts()
+        parts = self.prepare()
         response = retrieved.response
         facts = list(response.facts)
         if memory.max_tokens:

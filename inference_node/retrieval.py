@@ -9,7 +9,6 @@ one case a memory request is answered without its memory: Dropped, with its reas
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from inference_node.memory_request import RETRIEVAL_MODES, MemoryRequest, RequestRefused
+from inference_node.memory_request import RETRIEVAL_MODES, MemoryRequest, RequestRefused, leading_field
 from inference_node.query_embedding import LocalQueryEmbedder
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
@@ -113,7 +112,7 @@ def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefuse
     if error.code() not in _REFUSAL_CODES:
         return None
     details = error.details() or ""
-    service_field = re.split(r"[.\[:]", details, maxsplit=1)[0]
+    service_field = leading_field(details)
     question_field = "prompt" if path == "/v1/completions" else "messages"
     field = question_field if service_field == "query" else _REQUEST_FIELD_OF.get(service_field)
     if field is None:

@@ -136,13 +136,30 @@ def test_a_top_k_the_memory_service_refuses_is_a_400_naming_it_not_an_answer_wit
 
 
 class RefusingStub:
-    """A memory service that fails every RetrieveAndStage with one status."""
+    """A memory service that fails every RetrieveAndStage with one status, and counts the calls."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
+        self.code, self.details, self.calls = code, details, 0
 
     async def RetrieveAndStage(self, request, timeout, metadata):
+        self.calls += 1
         raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=self.details)
+
+
+def test_a_node_that_cannot_load_its_tokenizer_answers_500_and_asks_the_memory_service_nothing(
+        served, monkeypatch) -> None:
+    """Regression (issue 40 review): with the middleware split, the tokenizer was loaded after RetrieveAndStage, so a
+    node that cannot load it asked the service for every request (announcing its profile, queueing KV work) and then
+    answered 500, or 200 without memory where the call failed."""
+    middleware, _ = served
+    monkeypatch.setenv(SETTINGS_ENV, dataclasses.replace(middleware.middleware.settings,
+                                                         model_dir="/nonexistent").to_json())
+    app = RecordingApp()
+    broken = Served(MemoryMiddleware(app), middleware.loop)
+    service = broken.middleware._retriever._stub = RefusingStub(grpc.StatusCode.UNAVAILABLE, "no replica answered")
+    status, answer, summary = _chat(broken, {})
+    assert status == 500 and "request id" in answer["error"]["message"] and not summary
+    assert service.calls == 0 and app.bodies == []
 
 
 @pytest.mark.parametrize(("code", "details", "field"), [
