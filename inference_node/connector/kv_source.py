@@ -90,7 +90,7 @@ class MemoryServiceKv:
                    compute_stream: torch.cuda.Stream | None) -> list[CachedKv]:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=device)
-        staged = []
+        copied = []
         with torch.cuda.stream(self._copy_stream):
             for keys, values, token_ids in host:
                 pair = []
@@ -102,11 +102,11 @@ class MemoryServiceKv:
                     if compute_stream is not None:
                         on_device.record_stream(compute_stream)
                     pair.append(on_device)
-                staged.append(CachedKv(pair[0], pair[1], token_ids))
+                copied.append(CachedKv(pair[0], pair[1], token_ids))
             done = torch.cuda.Event()
             done.record(self._copy_stream)
         done.synchronize()  # blocks only this thread: the compute stream keeps running
-        return staged
+        return copied
 
     def _memory_stub(self) -> memory_pb2_grpc.MemoryServiceStub:
         with self._stub_lock:

@@ -3,7 +3,8 @@ never asks whether it is being measured.
 
 `UNTIMED` (serving) does nothing. `JsonLinesLoadTimer` (`NodeSettings.load_stats_path`) synchronizes the device at
 each reading, so a phase's time is its device work too, and appends one JSON line per load (every load reads the
-node cache only): request_id, tokens, chunks, ms (= stage_ms + compose_ms + write_ms), stage_ms, compose_ms, write_ms.
+node cache only): request_id, tokens, chunks, ms (= stage_ms + compose_ms + write_ms), stage_ms (finding the
+chunks in the node cache; the key's name is older than the node cache), compose_ms, write_ms.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class LoadTimer(Protocol):
         """The load being written ended `phase` ("compose", then "write")."""
         ...
 
-    def record(self, spec: LoadSpec, staging_ms: float, write_started: float) -> None:
-        """One load's own work: its staging, then composing and writing from `write_started` to its marks."""
+    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float) -> None:
+        """One load's own work: finding its chunks in the node cache (`lookup_ms`, reported as `stage_ms`), then
+        composing and writing from `write_started` to its marks."""
         ...
 
 
@@ -44,7 +46,7 @@ class Untimed:
     def mark(self, phase: str) -> None:
         return
 
-    def record(self, spec: LoadSpec, staging_ms: float, write_started: float) -> None:
+    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float) -> None:
         return
 
 
@@ -65,11 +67,11 @@ class JsonLinesLoadTimer:
     def mark(self, phase: str) -> None:
         self._phase_ends[phase] = self.now()
 
-    def record(self, spec: LoadSpec, staging_ms: float, write_started: float) -> None:
+    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float) -> None:
         ends = self._phase_ends
         compose_ms, write_ms = (ends["compose"] - write_started) * 1000, (ends["write"] - ends["compose"]) * 1000
         record = {"request_id": spec.request_id, "tokens": spec.end - spec.start, "chunks": len(spec.chunks),
-                  "ms": staging_ms + compose_ms + write_ms, "stage_ms": staging_ms, "compose_ms": compose_ms,
+                  "ms": lookup_ms + compose_ms + write_ms, "stage_ms": lookup_ms, "compose_ms": compose_ms,
                   "write_ms": write_ms}
         with open(self.path, "a") as stats_file:
             stats_file.write(json.dumps(record) + "\n")

@@ -82,11 +82,11 @@ class InferScaleWorker:
                 started = self._timer.now()
                 layers = self._attention_layers(forward_context)
                 entries = self._residency.resident(spec.chunks)
-                staged_at = self._timer.now()
+                looked_up_at = self._timer.now()
                 self._write(spec, entries, layers)
                 if self._counts_loads:
                     self._stats.add("tokens_loaded", spec.end - spec.start)
-                self._timer.record(spec, (staged_at - started) * 1000, staged_at)
+                self._timer.record(spec, (looked_up_at - started) * 1000, looked_up_at)
             except NotResident as exc:
                 self._stats.add("sync_misses")
                 self._fail(spec, str(exc))
