@@ -9,19 +9,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from inference_node.memory_request import MAX_MEMORY_TOKENS
+
 CROSSOVER_TABLE = Path(__file__).with_name("kv_crossover.json")
 MEASURED = "measured"  # --kv-crossover-tokens: the crossover measured for the node's shape, dtype and device
 
 
 def crossover_flag(text: str) -> str:
-    """--kv-crossover-tokens' value: MEASURED, or a whole number of tokens (as text). A negative number is MEASURED:
-    the flag spelled it -1 before it had a name."""
+    """--kv-crossover-tokens' value: MEASURED, or a whole number of tokens (as text) up to MAX_MEMORY_TOKENS, what a
+    request may give (the node's number is its requests' default). A negative number is MEASURED: the flag spelled
+    it -1 before it had a name."""
     if text == MEASURED:
         return MEASURED
     try:
         tokens = int(text)
     except ValueError:
         raise ValueError(f"{text!r} is neither {MEASURED} nor a number of tokens") from None
+    if tokens > MAX_MEMORY_TOKENS:
+        raise ValueError(f"{tokens} is more than {MAX_MEMORY_TOKENS} tokens, the most a memory may hold")
     return MEASURED if tokens < 0 else str(tokens)
 
 
@@ -33,6 +38,7 @@ def shape_key(hf_config, dtype: str, device: str) -> str:
 
 
 def measured_crossover(key: str) -> int | None:
-    """The smallest injectable memory (tokens) at which kv was measured faster than text, or None if unmeasured."""
+    """The smallest injectable memory (tokens) at which kv was measured faster than text (at most
+    MAX_MEMORY_TOKENS), or None if unmeasured."""
     entry = json.loads(CROSSOVER_TABLE.read_text())["crossovers"].get(key)
-    return None if entry is None else int(entry["tokens"])
+    return None if entry is None else min(int(entry["tokens"]), MAX_MEMORY_TOKENS)

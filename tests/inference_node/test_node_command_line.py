@@ -12,6 +12,7 @@ import pytest
 
 import inference_node.__main__ as node_main
 from inference_node.__main__ import NodeOptions, build_parser
+from inference_node.memory_request import MAX_MEMORY_TOKENS
 from inference_node.settings import NodeSettings
 from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_variable, flag_defaults
 
@@ -113,6 +114,17 @@ def test_a_crossover_that_is_no_number_is_a_usage_error(capsys: pytest.CaptureFi
         build_parser().parse_known_args(["--kv-crossover-tokens", "soon"])
     error = capsys.readouterr().err
     assert "argument --kv-crossover-tokens: 'soon' is neither measured nor a number of tokens" in error
+
+
+def test_a_crossover_past_what_a_request_may_give_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression (issue 40 review): a larger flag was accepted as every request's default, which parse_memory then
+    refused, so every memory request without its own kv_crossover_tokens was answered 400 for the node's setting."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_known_args(["--kv-crossover-tokens", str(MAX_MEMORY_TOKENS + 1)])
+    assert f"more than {MAX_MEMORY_TOKENS} tokens" in capsys.readouterr().err
+    parser = build_parser()
+    assert parser.build(NodeOptions, parser.parse_known_args(
+        ["--kv-crossover-tokens", str(MAX_MEMORY_TOKENS)])[0]).kv_crossover_tokens == str(MAX_MEMORY_TOKENS)
 
 
 def test_a_negative_recomputed_tail_is_refused_naming_the_flag(tiny_llama_dir) -> None:
