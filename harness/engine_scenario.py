@@ -48,6 +48,7 @@ LOCAL_FACT = "Hana builds kites from bamboo and rice paper."
 UNREACHABLE = "127.0.0.1:9"  # discard port: nothing serves gRPC there
 FETCH_TIMEOUT_S = 3.0  # the scheduler waits this + PREFETCH_GRACE_S for a prefetch
 SLOW_FETCH_S = 8.0  # longer than that
+HOST_TIER_MB = 64
 BLOCK_SIZE = 32  # vLLM CPU attention needs a multiple of 32
 
 
@@ -101,7 +102,7 @@ class ScenarioKv:
         self.fault = ""  # "" | "fail" | "slow" | "gate" (waits for `gate`)
         self.gate = threading.Event()
 
-    def fetch(self, user_id, chunks, device, dtype, compute_stream):
+    def fetch(self, user_id, chunks, dtype):
         self.threads.append(threading.current_thread().name)
         if self.fault == "fail":
             raise LookupError("injected: the memory service is unreachable")
@@ -109,7 +110,7 @@ class ScenarioKv:
             time.sleep(SLOW_FETCH_S)
         if self.fault == "gate":
             self.gate.wait(60)
-        return self.base(user_id, chunks, device, dtype, compute_stream)
+        return self.base(user_id, chunks, dtype)
 
 
 def main(mode: str, args: list[str]) -> None:
@@ -150,7 +151,8 @@ def main(mode: str, args: list[str]) -> None:
     else:
         facts, header_content_id, local_kv = encoded_here(model_dir, tokenizer, profile, user_id, device)
     settings = NodeSettings(memory_service=memory_service, node_id="engine-scenario", model_dir=model_dir,
-                            profile=profile.as_dict(), fetch_timeout_s=FETCH_TIMEOUT_S, node_cache_mb=1)
+                            profile=profile.as_dict(), fetch_timeout_s=FETCH_TIMEOUT_S, node_cache_mb=1,
+                            host_tier_mb=HOST_TIER_MB, kv_miss_policy="wait")
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=1024, seed=0, enable_prefix_caching=True,
               block_size=BLOCK_SIZE, gpu_memory_utilization=0.3,
               kv_transfer_config=KVTransferConfig(**kv_transfer_config(settings)))
@@ -164,9 +166,9 @@ def main(mode: str, args: list[str]) -> None:
     assert scheduler is not None and worker is not None
     directory = scheduler._directory
 
-    def local_fetch(user, chunks, on_device, in_dtype, stream) -> list[CachedKv]:
-        return [CachedKv(local_kv[chunk.key.content_id].keys.to(on_device, in_dtype).contiguous(),
-                         local_kv[chunk.key.content_id].values.to(on_device, in_dtype).contiguous(), chunk.token_ids)
+    def local_fetch(user, chunks, in_dtype) -> list[CachedKv]:
+        return [CachedKv(local_kv[chunk.key.content_id].keys.to("cpu", in_dtype).contiguous(),
+                         local_kv[chunk.key.content_id].values.to("cpu", in_dtype).contiguous(), chunk.token_ids)
                 for chunk in chunks]
 
     source = ScenarioKv(worker._residency._fetch if mode == "service" else local_fetch)
@@ -250,7 +252,7 @@ def main(mode: str, args: list[str]) -> None:
 
     result: dict[str, object] = {
         "mode": mode, "device": device, "dtype": dtype, "kv_facts": plan.kv_facts, "chunks": len(chunk_keys),
-        "memory_tokens": sum(len(chunk.token_ids) for chunk in chunks),
+        "memory_tokens": sum(len(chunk.token_ids) for chunk in chunks), "fact_tokens": len(chunks[-1].token_ids),
         "model_runner_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", ""),
         "text": generate((prompt_of[QUESTION], None))[0],
         "text_other": generate((prompt_of[OTHER_QUESTION], None))[0]}
@@ -357,6 +359,25 @@ def main(mode: str, args: list[str]) -> None:
     worker._write = failing_write  # type: ignore[method-assign]
     step("device_error", kv)
     step("after_device_error", kv)
+
+    # The host tier: a chunk the device tier evicted under pressure comes back by a copy, not a fetch.
+    step("host_warm", kv)  # resident in both tiers (fetched again after the defect above)
+    result["on_host_before"] = [directory.is_on_host(chunk) for chunk in chunks]
+    directory._device.evict(chunk_keys)  # as under pressure: the device tier alone lets them go
+    step("from_host", kv)
+    # The miss policy: the header resident, the fact in neither tier. best-effort (and auto, where the service's
+    # bytes are measured slower than prefill) loads the header at once and prefills the fact; wait waits.
+    for name, policy, source_rate in (("best_effort", "best-effort", None), ("auto_slow", "auto", 1.0),
+                                      ("auto_fast", "auto", 1e15)):
+        directory._device.evict([fact.key])
+        directory._host.evict([fact.key])
+        scheduler._miss_policy.mode = policy
+        if source_rate is not None:
+            scheduler._miss_policy.source_bytes.per_second = source_rate
+            scheduler._miss_policy.prefill_tokens.per_second = 1.0 if source_rate > 1 else 1e9
+        step(name, kv)
+        wait_settled()
+        result[f"{name}_resident_later"] = resident()
     result["fetch_threads"] = sorted(set(source.threads))
     print("RESULT " + json.dumps(result), flush=True)
 

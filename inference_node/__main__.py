@@ -6,6 +6,7 @@ memory middleware configured; every flag it does not know is passed to vLLM unch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -26,6 +27,14 @@ from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW, KV_DTYPES
 ENV_PREFIX = "INFERSCALE_NODE_"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 MIN_VLLM_GPU_SHARE = 0.05
+# --node-cache-mb 0: this share of what --gpu-memory-utilization leaves after the weights (the rest: vLLM's paged
+# cache), within these bounds; on a CPU node, CPU_NODE_CACHE_MB.
+NODE_CACHE_SHARE = 0.25
+MIN_NODE_CACHE_MB = 512
+CPU_NODE_CACHE_MB = 1024
+# --host-tier-mb 0: this share of the host's memory (or the container's limit), at most MAX_HOST_TIER_MB.
+HOST_TIER_SHARE = 0.25
+MAX_HOST_TIER_MB = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,14 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
         crossover = int(options.kv_crossover_tokens)
     settings = parser.build(NodeSettings, args, memory_service=options.memory_service, node_id=options.node_id,
                             model_dir=str(model_dir), profile=profile.as_dict(), kv_crossover_tokens=crossover)
+    if settings.node_cache_mb < 0 or settings.host_tier_mb < 0:
+        raise SystemExit("inference_node: --node-cache-mb and --host-tier-mb must be 0 (chosen for this machine) or "
+                         "more")
+    settings = dataclasses.replace(
+        settings,
+        node_cache_mb=settings.node_cache_mb or default_node_cache_mb(
+            device_bytes, _gpu_memory_utilization(vllm_args), weights_bytes(model_dir)),
+        host_tier_mb=settings.host_tier_mb or default_host_tier_mb(host_memory_bytes()))
     if settings.recompute_tail_facts < 0:
         raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
     if settings.recompute_tail_facts > settings.max_top_k:
@@ -143,6 +160,43 @@ def cuda_device_bytes() -> int | None:
     memory)."""
     reading = read_device()
     return reading.memory_total_bytes if reading else None
+
+
+def default_node_cache_mb(device_bytes: int | None, utilization: float, weights: int) -> int:
+    """--node-cache-mb 0: NODE_CACHE_SHARE of the device memory `utilization` gives vLLM beyond the model's weights,
+    at least MIN_NODE_CACHE_MB; CPU_NODE_CACHE_MB on a CPU node."""
+    if device_bytes is None:
+        return CPU_NODE_CACHE_MB
+    return max(MIN_NODE_CACHE_MB, int(NODE_CACHE_SHARE * (utilization * device_bytes - weights)) >> 20)
+
+
+def default_host_tier_mb(host_bytes: int) -> int:
+    """--host-tier-mb 0: HOST_TIER_SHARE of the host's (or container's) memory, at most MAX_HOST_TIER_MB."""
+    return min(MAX_HOST_TIER_MB, int(HOST_TIER_SHARE * host_bytes) >> 20)
+
+
+def host_memory_bytes() -> int:
+    """The memory this process may use: the host's, or the container's cgroup limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """The model's weights as stored (safetensors or PyTorch files): what vLLM's share holds before its cache."""
+    return sum(path.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt")
+               for path in model_dir.glob(pattern))
+
+
+def _gpu_memory_utilization(vllm_args: list[str]) -> float:
+    value = _flag(vllm_args, "--gpu-memory-utilization")
+    return float(value) if value is not None else DEFAULT_GPU_MEMORY_UTILIZATION
 
 
 def within_gpu_memory_budget(vllm_args: list[str], node_cache_bytes: int, device_bytes: int | None) -> list[str]:

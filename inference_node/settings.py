@@ -15,6 +15,7 @@ from inferscale_kv.limits import MAX_MEMORY_TOP_K
 from inferscale_kv.options import option
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
+MISS_POLICIES = ("auto", "wait", "best-effort")  # --kv-miss-policy (inference_node.connector.miss_policy)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,20 @@ class NodeSettings:
     node_id: str
     model_dir: str
     profile: dict = field(default_factory=dict)  # ModelProfile.as_dict()
-    node_cache_mb: int = option(4096, help="device memory for cached fact KV")
+    node_cache_mb: int = option(
+        0, help="device memory for cached fact KV (MiB; the node cache's device tier). 0: chosen from the device: a "
+        "quarter of what --gpu-memory-utilization leaves vLLM after the model's weights (the rest stays vLLM's paged "
+        "cache), at least 512 MiB; 1024 MiB on a CPU node")
+    host_tier_mb: int = option(
+        0, help="pinned host memory for fact KV behind the device tier (MiB; chunks fetched from the memory service "
+        "stay there, a device eviction leaves them one host-to-device copy away). 0: a quarter of the host's memory "
+        "(or of the container's limit), at most 64 GiB")
+    kv_miss_policy: str = option(
+        "auto", choices=MISS_POLICIES,
+        help="a request whose memory is not all in the device tier: auto waits for the missing KV only where "
+        "bringing its bytes (at each tier's measured bandwidth) is faster than prefilling it, else loads the "
+        "resident prefix and prefills the rest while the missing KV is fetched in the background; wait always "
+        "waits; best-effort never does")
     retrieve_timeout_s: float = option(
         2.0, help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     fetch_timeout_s: float = option(

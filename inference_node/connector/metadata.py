@@ -1,9 +1,10 @@
 """What the two roles send each other, once per step.
 
-Scheduler to workers (`InferScaleConnectorMetadata`, pickled to every worker): the node-cache evictions the
+Scheduler to workers (`InferScaleConnectorMetadata`, pickled to every worker): the evictions from either tier the
 directory decided, the synchronous loads to write before this step's forward, and the prefetches to start on the
 workers' fetch threads, applied in that order. Workers to scheduler (`PrefetchReport`, summed across
-tensor-parallel ranks by vLLM's output aggregator): the prefetched chunks each rank settled this step.
+tensor-parallel ranks by vLLM's output aggregator): the prefetched chunks each rank settled this step, and the bytes
+and seconds each tier's transfers took (the miss policy's bandwidths).
 """
 
 from __future__ import annotations
@@ -33,31 +34,48 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class PrefetchSpec:
-    """Fetch these chunks (one user's facts, and maybe the header) into every rank's node cache; a rank whose fetch
-    threads are still busy `start_within_s` after receiving it reports it failed without fetching (its waiters have
-    given up by then)."""
+    """Fetch these chunks (one user's facts, and maybe the header) into every rank's device tier, from its host tier
+    where it holds them, else from the memory service; those of `keep_on_host` fetched from the service also stay in
+    the host tier. With `to_device` False (a warm-up), bring `keep_on_host` into the host tier only. A rank whose
+    fetch threads are still busy `start_within_s` after receiving it reports it failed without fetching (its waiters
+    have given up by then)."""
 
     user_id: str
     chunks: tuple[ChunkLoad, ...]
     start_within_s: float = math.inf
+    keep_on_host: frozenset[KvKey] = frozenset()
+    to_device: bool = True
 
 
 @dataclass
 class InferScaleConnectorMetadata(KVConnectorMetadata):
-    evictions: tuple[KvKey, ...] = ()  # node-cache entries to drop first
+    evictions: tuple[KvKey, ...] = ()  # device-tier entries to drop first
+    host_evictions: tuple[KvKey, ...] = ()  # and host-tier ones
     loads: list[LoadSpec] = field(default_factory=list)  # then written, before the forward
     prefetches: list[PrefetchSpec] = field(default_factory=list)  # then started on the fetch threads
 
 
 @dataclass
 class PrefetchReport(KVConnectorWorkerMetadata):
-    """Per chunk key, how many ranks finished prefetching it this step (fetched into their node cache, or failed)."""
+    """Per chunk key, how many ranks finished prefetching it this step (fetched into their device tier, or failed),
+    and warming it (into their host tier); per tier a transfer read from, the bytes it moved and the microseconds it
+    took, summed over transfers and ranks."""
 
     fetched: Counter[KvKey] = field(default_factory=Counter)
     failed: Counter[KvKey] = field(default_factory=Counter)
+    warmed: Counter[KvKey] = field(default_factory=Counter)
+    warm_failed: Counter[KvKey] = field(default_factory=Counter)
+    transfer_bytes: Counter[str] = field(default_factory=Counter)  # "host" (host to device), "source" (service)
+    transfer_micros: Counter[str] = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PrefetchReport:
         if isinstance(other, PrefetchReport):
-            self.fetched.update(other.fetched)
-            self.failed.update(other.failed)
+            for mine, theirs in ((self.fetched, other.fetched), (self.failed, other.failed),
+                                 (self.warmed, other.warmed), (self.warm_failed, other.warm_failed)):
+                mine.update(theirs)
+            self.transfer_bytes.update(other.transfer_bytes)
+            self.transfer_micros.update(other.transfer_micros)
         return self
+
+    def is_empty(self) -> bool:
+        return not (self.fetched or self.failed or self.warmed or self.warm_failed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,36 +96,115 @@ class _Fetch:
     fetched: int = 0
     failed: int = 0
 
+    def settled(self, fetched: int, failed: int, ranks: int) -> bool:
+        self.fetched += fetched
+        self.failed += failed
+        return self.fetched + self.failed >= ranks
 
-class NodeCacheDirectory:
-    """What every rank's node cache holds, LRU within `budget_bytes` per rank (scheduler role, one thread).
 
-    A chunk is resident once every one of the `ranks` reported its prefetch fetched (`settle`); while being fetched
-    it is reserved (its bytes count, it cannot be evicted); it leaves only by this directory's eviction, never while
-    a request holds it (`hold`). A key is known with one token-id tuple at a time (the one its prefetch was ordered
-    with). Evictions and prefetches are taken once per step into the connector metadata; workers apply a step's
-    evictions before its loads and its loads before its prefetches.
-    """
+class _Tier:
+    """One tier's book (per rank): resident keys least recently used first, keys being fetched into it (reserved:
+    their bytes count, they cannot be evicted), and the evictions not yet sent to the workers."""
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1) -> None:
+    def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self.bytes_per_token = max(1, bytes_per_token)
-        self.ranks = ranks
-        self._resident: OrderedDict[KvKey, _Resident] = OrderedDict()  # least recently used first
-        self._fetching: dict[KvKey, _Fetch] = {}
-        self._holds: Counter[KvKey] = Counter()
-        self._evictions: list[KvKey] = []
-        self._prefetches: list[PrefetchSpec] = []
-        self._bytes = 0  # resident and being fetched
-        self._fetch_ids = itertools.count()
+        self.resident: OrderedDict[KvKey, _Resident] = OrderedDict()
+        self.reserved: dict[KvKey, _Resident] = {}
+        self.bytes = 0
+        self.evictions: list[KvKey] = []
 
-    def is_resident(self, chunk: ChunkLoad) -> bool:
-        """Every rank holds the chunk's key with the chunk's token ids."""
-        entry = self._resident.get(chunk.key)
+    def holds(self, chunk: ChunkLoad) -> bool:
+        entry = self.resident.get(chunk.key)
         return entry is not None and entry.token_ids == chunk.token_ids
 
+    def known_tokens(self, key: KvKey) -> tuple[int, ...] | None:
+        known = self.resident.get(key) or self.reserved.get(key)
+        return known.token_ids if known is not None else None
+
+    def victims(self, num_bytes: int, keep: Collection[KvKey]) -> list[KvKey] | None:
+        """The least recently used resident keys outside `keep` to evict for `num_bytes` more, or None if even
+        evicting all of them leaves too little room."""
+        overflow = self.bytes + num_bytes - self.budget_bytes
+        victims = []
+        for key, entry in self.resident.items():
+            if overflow <= 0:
+                break
+            if key not in keep:
+                victims.append(key)
+                overflow -= entry.num_bytes
+        return victims if overflow <= 0 else None
+
+    def evict(self, keys: Iterable[KvKey]) -> None:
+        for key in keys:
+            entry = self.resident.pop(key, None)
+            if entry is not None:
+                self.bytes -= entry.num_bytes
+                self.evictions.append(key)
+
+    def reserve(self, key: KvKey, entry: _Resident) -> None:
+        self.reserved[key] = entry
+        self.bytes += entry.num_bytes
+
+    def settle(self, key: KvKey, fetched: bool) -> None:
+        """A reservation ends: resident if every rank fetched it, else gone from every rank."""
+        entry = self.reserved.pop(key, None)
+        if entry is None:
+            return
+        if fetched:
+            self.resident[key] = entry
+        else:
+            self.bytes -= entry.num_bytes
+            self.evictions.append(key)
+
+    def take_evictions(self) -> tuple[KvKey, ...]:
+        evictions, self.evictions = tuple(self.evictions), []
+        return evictions
+
+
+class NodeCacheDirectory:
+    """What every rank's node cache holds, in two tiers (scheduler role, one thread): the device tier (what loads
+    read), LRU within `budget_bytes` per rank, and the host tier, LRU within `host_budget_bytes` per rank, where
+    chunks fetched from the memory service stay when room was reserved for them, so that a device eviction leaves
+    them one host-to-device copy away.
+
+    A chunk is resident in a tier once every one of the `ranks` reported its prefetch settled (`settle`); while being
+    fetched it is reserved (its bytes count, it cannot be evicted); it leaves a tier only by this directory's eviction,
+    and the device tier never while a request holds it (`hold`). A key is known with one token-id tuple at a time (the
+    one its prefetch was ordered with). Evictions and prefetches are taken once per step into the connector metadata;
+    workers apply a step's evictions before its loads and its loads before its prefetches. A warm-up (`warm`) brings
+    chunks into the host tier only, into its free room.
+    """
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1, host_budget_bytes: int = 0) -> None:
+        self.bytes_per_token = max(1, bytes_per_token)
+        self.ranks = ranks
+        self._device = _Tier(budget_bytes)
+        self._host = _Tier(host_budget_bytes)
+        self._fetching: dict[KvKey, _Fetch] = {}  # into the device tier (and the host tier where reserved there)
+        self._warming: dict[KvKey, _Fetch] = {}  # into the host tier only
+        self._holds: Counter[KvKey] = Counter()
+        self._prefetches: list[PrefetchSpec] = []
+        self._fetch_ids = itertools.count()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._device.budget_bytes
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return self._host.budget_bytes
+
+    def is_resident(self, chunk: ChunkLoad) -> bool:
+        """Every rank's device tier holds the chunk's key with the chunk's token ids."""
+        return self._device.holds(chunk)
+
+    def is_on_host(self, chunk: ChunkLoad) -> bool:
+        """Every rank's host tier holds the chunk's key with the chunk's token ids."""
+        return self._host.holds(chunk)
+
     def fetch_id(self, key: KvKey) -> int | None:
-        """The id of the prefetch of `key` in flight (every prefetch gets a new one), None if none is."""
+        """The id of the prefetch of `key` into the device tier in flight (every prefetch gets a new one), None if
+        none is."""
         fetch = self._fetching.get(key)
         return fetch.fetch_id if fetch is not None else None
 
@@ -134,12 +213,14 @@ class NodeCacheDirectory:
         return fetch is not None and now > fetch.deadline
 
     def knows_other_tokens(self, chunk: ChunkLoad) -> bool:
-        """The chunk's key is resident or being fetched with other token ids than the chunk's."""
-        known = self._resident.get(chunk.key) or self._fetching.get(chunk.key)
-        return known is not None and known.token_ids != chunk.token_ids
+        """The chunk's key is resident, being fetched or warming, in either tier, with other token ids."""
+        known = [self._device.known_tokens(chunk.key), self._host.known_tokens(chunk.key)]
+        for fetch in (self._fetching.get(chunk.key), self._warming.get(chunk.key)):
+            known.append(fetch.token_ids if fetch is not None else None)
+        return any(tokens is not None and tokens != chunk.token_ids for tokens in known)
 
     def hold(self, keys: Iterable[KvKey]) -> None:
-        """A request needs these keys: none of them is evicted until released."""
+        """A request needs these keys: none of them is evicted from the device tier until released."""
         self._holds.update(keys)
 
     def release(self, keys: Iterable[KvKey]) -> None:
@@ -150,36 +231,81 @@ class NodeCacheDirectory:
 
     def touch(self, keys: Iterable[KvKey]) -> None:
         for key in keys:
-            if key in self._resident:
-                self._resident.move_to_end(key)
+            for tier in (self._device, self._host):
+                if key in tier.resident:
+                    tier.resident.move_to_end(key)
 
     @property
     def bytes_used(self) -> int:
-        return self._bytes
+        """Device-tier bytes per rank, resident and being fetched."""
+        return self._device.bytes
+
+    @property
+    def host_bytes_used(self) -> int:
+        return self._host.bytes
+
+    def bytes_to_bring(self, chunks: Sequence[ChunkLoad]) -> tuple[int, int]:
+        """Per rank, the bytes of `chunks` missing from the device tier that the host tier holds, and those it does
+        not (to come from the memory service)."""
+        from_host = from_source = 0
+        for chunk in {chunk.key: chunk for chunk in chunks}.values():
+            if self._device.holds(chunk):
+                continue
+            size = len(chunk.token_ids) * self.bytes_per_token
+            if self._host.holds(chunk):
+                from_host += size
+            else:
+                from_source += size
+        return from_host, from_source
 
     def prefetch(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> bool:
-        """Orders `chunks` (neither resident nor being fetched) fetched into every rank's node cache, evicting least
-        recently used chunks that no request holds to make room; False, changing nothing, if they cannot fit. The
-        fetch expires `wait_s` after `now`; a rank that cannot start it within `wait_s` reports it failed."""
+        """Orders `chunks` (neither resident nor being fetched) fetched into every rank's device tier, evicting least
+        recently used chunks that no request holds to make room; False, changing nothing, if they cannot fit. Those
+        the host tier lacks stay in it too where it has room (evicting its least recently used chunks). The fetch
+        expires `wait_s` after `now`; a rank that cannot start it within `wait_s` reports it failed."""
         unique = list({chunk.key: chunk for chunk in chunks}.values())
         sizes = [len(chunk.token_ids) * self.bytes_per_token for chunk in unique]
-        overflow = self.bytes_used + sum(sizes) - self.budget_bytes
-        victims = []
-        for key, entry in self._resident.items():
-            if overflow <= 0:
-                break
-            if key not in self._holds:
-                victims.append(key)
-                overflow -= entry.num_bytes
-        if overflow > 0:
+        victims = self._device.victims(sum(sizes), self._holds)
+        if victims is None:
             return False
-        for key in victims:
-            self._bytes -= self._resident.pop(key).num_bytes
-        self._evictions.extend(victims)
+        self._device.evict(victims)
+        keep_on_host = []
         for chunk, size in zip(unique, sizes, strict=True):
-            self._fetching[chunk.key] = _Fetch(size, chunk.token_ids, now + wait_s, next(self._fetch_ids))
-            self._bytes += size
-        self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s))
+            fetch = _Fetch(size, chunk.token_ids, now + wait_s, next(self._fetch_ids))
+            self._fetching[chunk.key] = fetch
+            self._device.reserve(chunk.key, _Resident(size, chunk.token_ids))
+            if self._reserve_on_host(chunk, size):
+                keep_on_host.append(chunk.key)
+        self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s, frozenset(keep_on_host)))
+        return True
+
+    def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> int:
+        """Orders those of `chunks` that neither tier holds nor anyone fetches brought into every rank's host tier
+        only, as many as fit its free room (a warm-up evicts nothing); returns how many were ordered."""
+        ordered = []
+        for chunk in {chunk.key: chunk for chunk in chunks}.values():
+            if (chunk.key in self._fetching or chunk.key in self._warming or self._device.holds(chunk)
+                    or self._host.known_tokens(chunk.key) is not None):
+                continue
+            size = len(chunk.token_ids) * self.bytes_per_token
+            if self._host.bytes + size > self._host.budget_bytes:
+                break
+            self._host.reserve(chunk.key, _Resident(size, chunk.token_ids))
+            self._warming[chunk.key] = _Fetch(size, chunk.token_ids, now + wait_s, next(self._fetch_ids))
+            ordered.append(chunk)
+        if ordered:
+            self._prefetches.append(PrefetchSpec(user_id, tuple(ordered), wait_s,
+                                                 frozenset(chunk.key for chunk in ordered), to_device=False))
+        return len(ordered)
+
+    def _reserve_on_host(self, chunk: ChunkLoad, size: int) -> bool:
+        if self._host.known_tokens(chunk.key) is not None:
+            return False
+        victims = self._host.victims(size, self._host.reserved)
+        if victims is None:
+            return False
+        self._host.evict(victims)
+        self._host.reserve(chunk.key, _Resident(size, chunk.token_ids))
         return True
 
     def settle(self, report: PrefetchReport) -> None:
@@ -187,30 +313,31 @@ class NodeCacheDirectory:
         evicted from every rank (those that fetched it drop it)."""
         for key in {*report.fetched, *report.failed}:
             fetch = self._fetching.get(key)
-            if fetch is None:
-                continue
-            fetch.fetched += report.fetched[key]
-            fetch.failed += report.failed[key]
-            if fetch.fetched + fetch.failed < self.ranks:
+            if fetch is None or not fetch.settled(report.fetched[key], report.failed[key], self.ranks):
                 continue
             del self._fetching[key]
-            if fetch.failed:
-                self._bytes -= fetch.num_bytes
-                self._evictions.append(key)
-            else:
-                self._resident[key] = _Resident(fetch.num_bytes, fetch.token_ids)
+            self._device.settle(key, not fetch.failed)
+            if key not in self._warming:
+                self._host.settle(key, not fetch.failed)
+        for key in {*report.warmed, *report.warm_failed}:
+            fetch = self._warming.get(key)
+            if fetch is None or not fetch.settled(report.warmed[key], report.warm_failed[key], self.ranks):
+                continue
+            del self._warming[key]
+            self._host.settle(key, not fetch.failed)
 
     def drop(self, keys: Iterable[KvKey]) -> None:
-        """A synchronous load of these chunks failed in a worker: no longer trusted, evicted from every rank."""
-        for key in keys:
-            entry = self._resident.pop(key, None)
-            if entry is not None:
-                self._bytes -= entry.num_bytes
-                self._evictions.append(key)
+        """A synchronous load of these chunks failed in a worker: no longer trusted, evicted from every rank's
+        tiers."""
+        keys = list(keys)
+        self._device.evict(keys)
+        self._host.evict(keys)
 
     def take_evictions(self) -> tuple[KvKey, ...]:
-        evictions, self._evictions = tuple(self._evictions), []
-        return evictions
+        return self._device.take_evictions()
+
+    def take_host_evictions(self) -> tuple[KvKey, ...]:
+        return self._host.take_evictions()
 
     def take_prefetches(self) -> list[PrefetchSpec]:
         prefetches, self._prefetches = self._prefetches, []

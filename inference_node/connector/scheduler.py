@@ -6,8 +6,12 @@ and stays there until the load has been sent. A request whose chunks are not all
 (`None`: vLLM skips it this step, allocates nothing and asks again next step) while the step's metadata orders the
 missing chunks prefetched; the workers fetch them on their fetch threads and report each settled chunk back through
 vLLM's worker-to-scheduler channel (metadata.PrefetchReport), so the request is admitted, with its load, in the
-first step after they are resident. A prefetch that fails, times out or does not fit means the request claims
-nothing and vLLM prefills its prompt: no vLLM failure path is involved. The connector starts only under
+first step after they are resident. Whether a request waits at all is the miss policy's call (miss_policy.py): where
+bringing its missing bytes is slower than prefilling what they stand for, the request loads at once the resident
+prefix of its memory and vLLM prefills the rest, while the missing chunks are fetched in the background for the
+user's next request. A prefetch that fails or times out means the request claims nothing and vLLM prefills its
+prompt; one that does not fit the device tier leaves it its resident prefix: no vLLM failure path is involved.
+The connector starts only under
 kv_load_failure_policy="fail", so a synchronous load that still fails in a worker (a defect) fails that one request
 with an error and never reaches vLLM's recompute of refused synchronous loads (wrong on vLLM 0.26: upstream issue
 49250, benchmarks/RESULTS.md, "Refused loads on the GPU").
@@ -39,7 +43,7 @@ Every way a synchronous load could be refused or diverge, and what closes it her
 10. A prefetch racing an eviction: a chunk being fetched cannot be evicted; a failed one is evicted only once every
    rank settled it, and a later prefetch of it travels in the same or a later step, after the eviction.
 11. No room: a prefetch that cannot fit the budget after evicting every unheld chunk is not ordered; the request
-   claims nothing.
+   claims its resident prefix only.
 12. Requests sharing chunks: a chunk is prefetched once; every request needing it waits for that fetch and holds it.
 13. A request aborted while its prefetch runs: its holds go; the prefetch settles on its own.
 14. What remains is a defect (a device error, an exception in the worker's write): vLLM fails that request
@@ -47,6 +51,9 @@ Every way a synchronous load could be refused or diverge, and what closes it her
    (the next request fetches them again).
 15. A request vLLM computes in full (it skips the prefix cache, or asks for prompt logprobs): vLLM would discard
    the claim, so it claims nothing, holds nothing and orders no prefetch.
+16. A partial load (the miss policy's or for lack of room): it claims the chunks before the first one not
+   resident, which it holds like any load's; the rest of the prompt is vLLM's to prefill, and the chunks it did not
+   claim are fetched without anyone waiting for them.
 
 Runs in vLLM's EngineCore process on the scheduler's thread; nothing here touches the network or the device.
 """
@@ -55,13 +62,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
 from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport
+from inference_node.connector.miss_policy import MissPolicy
 from inference_node.connector.node_cache import NodeCacheDirectory
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import KvHeadShard
@@ -114,7 +122,11 @@ class InferScaleScheduler:
         tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
                                              _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size),
-                                             tensor_parallel_size)
+                                             tensor_parallel_size, settings.host_tier_mb << 20)
+        self._miss_policy = MissPolicy(settings.kv_miss_policy, vllm_config.device_config.device_type == "cuda")
+        self._partial: set[str] = set()  # requests the policy (or the lack of room) serves with their resident prefix
+        self._step_started: float | None = None  # when the last step's metadata was built (its prefill throughput)
+        self._step_tokens = 0
         self._proofs: dict[str, ProvenPrefix] = {}  # request id -> what its plan proves of its prompt
         self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last answer
         self._admissions: dict[str, _Admission] = {}
@@ -157,31 +169,38 @@ class InferScaleScheduler:
             self._forget(request.request_id)
             return 0, False
         chunks = proof.chunks_from(num_computed_tokens)
-        why_not = self._why_not_loadable(request.request_id, proof.user_id, chunks)
-        if why_not is None:
-            return proof.end - num_computed_tokens, False
-        if why_not:
-            self._fall_back(request, why_not)
+        end = self._loadable_end(request.request_id, proof, chunks, num_computed_tokens)
+        if isinstance(end, str):
+            self._fall_back(request, end)
             return 0, False
-        return None, False
+        return (None, False) if end is None else (max(0, end - num_computed_tokens), False)
 
-    def _why_not_loadable(self, request_id: str, user_id: str, chunks: tuple[ChunkLoad, ...]) -> str | None:
-        """None if every chunk is resident (the request now holds them); "" while it waits for prefetches (ordered
-        here when nobody fetches them yet); else why it cannot be loaded."""
+    def _loadable_end(self, request_id: str, proof: ProvenPrefix, chunks: tuple[ChunkLoad, ...],
+                      num_computed: int) -> int | str | None:
+        """Where the request's load ends: the proven end if every chunk is resident (it now holds them); None while
+        it waits for prefetches (ordered here when nobody fetches them yet); the start of its first chunk not
+        resident where the miss policy (or the lack of room) serves its resident prefix; or why it cannot load."""
         directory = self._directory
         if any(directory.knows_other_tokens(chunk) for chunk in chunks):
             return "a chunk's key is known with other token ids"
         admission = self._admissions.setdefault(request_id, _Admission())
-        new_holds = {chunk.key for chunk in chunks} - admission.held
-        directory.hold(new_holds)
-        admission.held |= new_holds
         missing = [chunk for chunk in chunks if not directory.is_resident(chunk)]
         if not admission.looked_up:
             admission.looked_up = True
             self._stats.add("node_cache_lookups", len(chunks))
             self._stats.add("node_cache_hits", len(chunks) - len(missing))
         if not missing:
-            return None
+            self._hold(admission, chunks)
+            return proof.end
+        first_missing = min(chunk.offset for chunk in missing)
+        if request_id not in self._partial and not admission.waited:
+            host_bytes, source_bytes = directory.bytes_to_bring(missing)
+            prefilled = proof.end - max(first_missing, num_computed)
+            if not self._miss_policy.decide(host_bytes, source_bytes, prefilled).wait:
+                self._serve_partially(request_id)
+        if request_id in self._partial:
+            return self._resident_prefix(admission, proof, chunks, missing, first_missing)
+        self._hold(admission, chunks)
         now = self._clock()
         to_fetch = []
         for chunk in missing:
@@ -192,11 +211,31 @@ class InferScaleScheduler:
                 to_fetch.append(chunk)
             elif directory.fetch_expired(chunk.key, now):
                 return "its prefetch did not finish in time"
-        if to_fetch and not directory.prefetch(user_id, to_fetch, now, self._fetch_wait_s):
-            return "its chunks do not fit the node cache"
+        if to_fetch and not directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s):
+            self._serve_partially(request_id)  # no room to bring them: its resident prefix, at once
+            return self._resident_prefix(admission, proof, chunks, missing, first_missing)
         admission.waited.update({chunk.key: fetch_id for chunk in missing
                                  if (fetch_id := directory.fetch_id(chunk.key)) is not None})
-        return ""
+        return None
+
+    def _hold(self, admission: _Admission, chunks: Sequence[ChunkLoad]) -> None:
+        new_holds = {chunk.key for chunk in chunks} - admission.held
+        self._directory.hold(new_holds)
+        admission.held |= new_holds
+
+    def _serve_partially(self, request_id: str) -> None:
+        self._partial.add(request_id)
+        self._stats.add("partial_loads")
+
+    def _resident_prefix(self, admission: _Admission, proof: ProvenPrefix, chunks: tuple[ChunkLoad, ...],
+                         missing: list[ChunkLoad], first_missing: int) -> int:
+        """The end of the request's resident prefix (it holds the chunks before it, all resident), ordering the
+        missing chunks nobody fetches yet into the node cache in the background, where they fit."""
+        self._hold(admission, [chunk for chunk in chunks if chunk.offset < first_missing])
+        to_fetch = [chunk for chunk in missing if self._directory.fetch_id(chunk.key) is None]
+        if to_fetch:
+            self._directory.prefetch(proof.user_id, to_fetch, self._clock(), self._fetch_wait_s)
+        return min(proof.end, first_missing)
 
     def _fall_back(self, request: Request, why: str) -> None:
         """The request claims nothing from now on (also when resumed): vLLM prefills its prompt."""
@@ -222,9 +261,11 @@ class InferScaleScheduler:
             return
         proof = self._proof(request)
         start = computed if computed is not None else proof.end - num_external_tokens
-        chunks = proof.chunks_from(start)  # those before `start` are in vLLM's prefix cache: not needed
-        self._pending[request.request_id] = LoadSpec(request.request_id, proof.user_id, chunks, start,
-                                                     start + num_external_tokens, tuple(blocks.get_block_ids()[0]))
+        end = start + num_external_tokens
+        # Those before `start` are in vLLM's prefix cache, those from `end` on (a partial load) vLLM prefills.
+        chunks = tuple(chunk for chunk in proof.chunks_from(start) if chunk.offset < end)
+        self._pending[request.request_id] = LoadSpec(request.request_id, proof.user_id, chunks, start, end,
+                                                     tuple(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> InferScaleConnectorMetadata:
         """This step's evictions, the loads decided in it (each request is scheduled in this same step) and the
@@ -238,15 +279,22 @@ class InferScaleScheduler:
                 self._stats.add("async_loads")
             self._forget(spec.request_id)
         self._recent.append(loads)
-        return InferScaleConnectorMetadata(evictions=self._directory.take_evictions(), loads=loads,
+        self._step_started = self._clock()
+        self._step_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        return InferScaleConnectorMetadata(evictions=self._directory.take_evictions(),
+                                           host_evictions=self._directory.take_host_evictions(), loads=loads,
                                            prefetches=self._directory.take_prefetches())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Settles the prefetches the workers report, and stops trusting the chunks of a load some worker failed
         (a defect: vLLM fails that request under kv_load_failure_policy="fail")."""
+        if self._step_started is not None:
+            self._miss_policy.observe_step(self._step_tokens, self._clock() - self._step_started)
+            self._step_started = None
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, PrefetchReport):
             self._directory.settle(report)
+            self._miss_policy.observe_transfers(report.transfer_bytes, report.transfer_micros)
         invalid = set(connector_output.invalid_block_ids or ())
         for loads in reversed(self._recent):  # a block's newest load is the one that failed (blocks get reused)
             for spec in [spec for spec in loads if not invalid.isdisjoint(spec.block_ids)]:
@@ -263,6 +311,7 @@ class InferScaleScheduler:
         self._pending.pop(request.request_id, None)
         self._proofs.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
+        self._partial.discard(request.request_id)
         self._forget(request.request_id)
 
     def take_stats(self) -> LoadStats | None:

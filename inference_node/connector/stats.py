@@ -24,6 +24,14 @@ COUNTERS = {
     "node_cache_lookups": "chunks requests needed when first asked for",
     "node_cache_hits": "of those, chunks already resident in the node cache",
     "facts_fetched": "chunks fetched from the memory service into a rank's node cache (per rank)",
+    "source_bytes_fetched": "bytes of those chunks (this rank's heads; per rank)",
+    "source_fetch_micros": "microseconds those fetches took, fetch, checks and decode (per rank)",
+    "host_tier_hits": "chunks a rank copied into its device tier from its host tier instead of fetching them",
+    "host_bytes_copied": "bytes of those chunks (per rank)",
+    "host_copy_micros": "microseconds those host-to-device copies took (per rank)",
+    "partial_loads": "requests the miss policy served at once: the resident prefix of their memory loaded, the rest "
+                     "prefilled by vLLM while its chunks were fetched in the background",
+    "warmed_chunks": "chunks of a user's other facts ordered into the host tier when the user's request arrived",
     "sync_misses": "synchronous loads that found a chunk missing from a rank's node cache (a defect; per rank)",
     "plans_refused": "requests whose load plan was unsigned, altered, for another profile or salt, or with LoRA",
 }

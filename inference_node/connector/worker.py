@@ -1,6 +1,7 @@
 """The connector's worker role: writes each synchronous load's prefix (gather + RoPE at the final positions with
-the model's own tables) into the request's blocks from the node cache before the step's forward, and prefetches
-chunks into the node cache on fetch threads, reporting each settled chunk to the scheduler role.
+the model's own tables) into the request's blocks from the node cache's device tier before the step's forward, and
+prefetches chunks into its tiers on fetch threads (residency.py), reporting each settled chunk, and each tier's
+bytes and time, to the scheduler role.
 
 On CUDA with the cache in the model dtype one fused Triton kernel composes and writes (`compose.compose_into_cache`);
 elsewhere torch ops compose (`compose.compose_prefix`) and each attention layer's own `do_kv_cache_update`
@@ -26,7 +27,7 @@ from inference_node.connector.kv_source import KvSource, kv_source
 from inference_node.connector.load_timer import LoadTimer, load_timer
 from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
 from inference_node.connector.node_cache import CachedKv, NodeKvCache
-from inference_node.connector.residency import KvResidency, NotResident
+from inference_node.connector.residency import FetchCounts, KvResidency, NotResident
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard, current_shard
 from inference_node.settings import NodeSettings
@@ -54,12 +55,13 @@ class InferScaleWorker:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin on the device
         self._layers: dict[int, Any] | None = None
         self._cache = NodeKvCache()
+        self._host_cache = NodeKvCache()
         self._counts_loads = shard.rank == 0  # every rank writes its heads of each load: one counts it for the node
-        self._residency = KvResidency(self._cache, source,
+        self._residency = KvResidency(self._cache, self._host_cache, source,
                                       shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
         self._fetcher: ThreadPoolExecutor | None = None
-        self._prefetching: list[tuple[PrefetchSpec, Future[int]]] = []
+        self._prefetching: list[tuple[PrefetchSpec, Future[FetchCounts]]] = []
         self._failed_blocks: set[int] = set()
         self._stats = LoadStats()
 
@@ -72,9 +74,10 @@ class InferScaleWorker:
                    shard)
 
     def start_load_kv(self, metadata: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
-        """Applies the directory's evictions, writes every load before this step's forward (from the node cache
+        """Applies the directory's evictions, writes every load before this step's forward (from the device tier
         only), then starts the step's prefetches on the fetch threads. Never raises; never waits on the network."""
         self._cache.remove(metadata.evictions)
+        self._host_cache.remove(metadata.host_evictions)
         for spec in metadata.loads:
             if self._counts_loads:
                 self._stats.add("loads")
@@ -98,7 +101,7 @@ class InferScaleWorker:
 
     def _start_prefetch(self, spec: PrefetchSpec, forward_context: ForwardContext) -> None:
         """Fetches the chunks into the node cache on a fetch thread (reported by build_worker_meta)."""
-        future: Future[int]
+        future: Future[FetchCounts]
         try:
             device = _layer_cache(next(iter(self._attention_layers(forward_context).values()))).device
             if self._fetcher is None:
@@ -112,12 +115,13 @@ class InferScaleWorker:
         self._prefetching.append((spec, future))
 
     def _fetch(self, spec: PrefetchSpec, start_by: float, device: torch.device,
-               compute_stream: torch.cuda.Stream | None) -> int:
+               compute_stream: torch.cuda.Stream | None) -> FetchCounts:
         """A fetch thread's job: the prefetch, unless it waited for a thread past the time its waiters give up (a
         backlog of fetches nobody waits for would make every later cold request wait out its deadline)."""
         if time.monotonic() > start_by:
             raise TimeoutError(f"no fetch thread free within {spec.start_within_s:.1f} s")
-        return self._residency.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream)
+        return self._residency.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream,
+                                     spec.keep_on_host, spec.to_device)
 
     def build_worker_meta(self) -> PrefetchReport | None:
         """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""
@@ -126,16 +130,34 @@ class InferScaleWorker:
             if not future.done():
                 running.append((spec, future))
                 continue
-            keys = [chunk.key for chunk in spec.chunks]
+            keys = [chunk.key for chunk in spec.chunks] if spec.to_device else list(spec.keep_on_host)
+            settled, failed = (report.fetched, report.failed) if spec.to_device else (report.warmed,
+                                                                                        report.warm_failed)
             try:
-                self._stats.add("facts_fetched", future.result())
-                report.fetched.update(keys)
+                counts = future.result()
             except Exception as exc:
                 logger.warning("InferScale: prefetch of %d chunks of user %s failed (%r); requests waiting for them "
                                "are prefilled", len(keys), spec.user_id, exc)
-                report.failed.update(keys)
+                failed.update(keys)
+                continue
+            settled.update(keys)
+            self._count_transfers(counts, report)
         self._prefetching = running
-        return report if report.fetched or report.failed else None
+        return None if report.is_empty() else report
+
+    def _count_transfers(self, counts: FetchCounts, report: PrefetchReport) -> None:
+        """The bandwidths the miss policy weighs (per rank, summed by vLLM) and the per-tier counters."""
+        if counts.from_host:
+            report.transfer_bytes["host"] += counts.host_bytes
+            report.transfer_micros["host"] += max(1, int(counts.host_seconds * 1e6))
+        if counts.from_source:
+            report.transfer_bytes["source"] += counts.source_bytes
+            report.transfer_micros["source"] += max(1, int(counts.source_seconds * 1e6))
+        for name, amount in (("host_tier_hits", counts.from_host), ("host_bytes_copied", counts.host_bytes),
+                             ("host_copy_micros", int(counts.host_seconds * 1e6)),
+                             ("facts_fetched", counts.from_source), ("source_bytes_fetched", counts.source_bytes),
+                             ("source_fetch_micros", int(counts.source_seconds * 1e6))):
+            self._stats.add(name, amount)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

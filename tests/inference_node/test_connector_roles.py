@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 from inference_node.__main__ import within_gpu_memory_budget
 from inference_node.connector import check_supported
 from inference_node.connector.metadata import InferScaleConnectorMetadata, PrefetchReport
+from inference_node.connector.miss_policy import MissPolicy
 from inference_node.connector.scheduler import PREFETCH_GRACE_S, InferScaleScheduler
 from inference_node.plan import PLAN_SECRET_ENV, ChunkLoad, LoadPlan, PlanFact, PlanHeader, PlanSigner
 from inference_node.settings import NodeSettings
@@ -40,6 +41,7 @@ def _vllm_config(pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1,
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size,
                                                            pipeline_parallel_size=pipeline_parallel_size),
                            model_config=_model_config(**model_overrides), speculative_config=None,
+                           device_config=SimpleNamespace(device_type="cpu"),
                            kv_transfer_config=SimpleNamespace(kv_load_failure_policy=failure_policy))
 
 
@@ -57,10 +59,12 @@ def clock() -> _Clock:
 
 
 def _scheduler(monkeypatch, clock: _Clock, tensor_parallel_size: int = 1, node_cache_mb: int = 1,
-               fetch_timeout_s: float = 10.0) -> InferScaleScheduler:
+               fetch_timeout_s: float = 10.0, kv_miss_policy: str = "wait",
+               host_tier_mb: int = 0) -> InferScaleScheduler:
     monkeypatch.setenv(PLAN_SECRET_ENV, SECRET.hex())
     settings = NodeSettings(memory_service="-", node_id="n", model_dir="-", profile={"profile_id": PROFILE},
-                            node_cache_mb=node_cache_mb, fetch_timeout_s=fetch_timeout_s)
+                            node_cache_mb=node_cache_mb, fetch_timeout_s=fetch_timeout_s,
+                            kv_miss_policy=kv_miss_policy, host_tier_mb=host_tier_mb)
     return InferScaleScheduler(_vllm_config(tensor_parallel_size=tensor_parallel_size), settings, clock=clock)
 
 
@@ -203,7 +207,11 @@ def test_a_request_whose_prefetch_fails_times_out_or_cannot_fit_claims_nothing_a
         assert answers == {"r1": None}
         answers, metadata = _step(scheduler, request)
     assert answers == {"r1": 0} and metadata.loads == []
-    assert _stats(scheduler).get("load_failures") == 1
+    stats = _stats(scheduler)
+    if outcome == "no-room":  # nothing of it resident: its resident prefix, at once, is nothing
+        assert (stats.get("partial_loads"), stats.get("load_failures")) == (1, 0)
+    else:
+        assert stats.get("load_failures") == 1
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # also when preempted and resumed
 
 
@@ -379,3 +387,64 @@ def test_a_recomputed_tail_longer_than_any_retrieval_is_refused_at_start(tiny_ll
 
     with pytest.raises(SystemExit, match="--recompute-tail-facts must be at most 200"):
         node_main.plan_launch(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "201"])
+
+
+OTHER_FACT = (20, 21, 22)
+
+
+def _with_header_resident(scheduler: InferScaleScheduler) -> Any:
+    """The header resident after a first request's load; a request for another fact of the user, not resident."""
+    _, metadata = _step(scheduler, _request("r0"))
+    _settle(scheduler, metadata)
+    _step(scheduler, _request("r0"))
+    return _request("r1", plan=_plan(fact=OTHER_FACT), prompt=HEADER + list(OTHER_FACT) + [99])
+
+
+@pytest.mark.parametrize("policy", ["best-effort", "auto-slow-bytes"])
+def test_a_request_served_at_once_loads_its_resident_prefix_and_its_missing_chunks_come_in_the_background(
+        monkeypatch, clock, policy) -> None:
+    """The miss policy's partial outcome: the resident header loads now (its load reads the header alone), vLLM
+    prefills the fact, whose chunk is fetched with nobody waiting; the user's next request loads it all."""
+    scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="best-effort" if policy == "best-effort" else "auto")
+    if policy == "auto-slow-bytes":
+        scheduler._miss_policy.source_bytes.per_second = 1.0  # the service's bytes measured far slower than prefill
+    request = _with_header_resident(scheduler)
+    _stats(scheduler)
+    answers, metadata = _step(scheduler, request)
+    assert answers == {"r1": len(HEADER)}
+    (load,) = metadata.loads
+    assert (load.start, load.end, [chunk.key.fact_id for chunk in load.chunks]) == (0, len(HEADER), ["header"])
+    assert [[chunk.token_ids for chunk in spec.chunks] for spec in metadata.prefetches] == [[OTHER_FACT]]
+    assert _stats(scheduler).get("partial_loads") == 1
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (len(HEADER), False)  # never waits later either
+    _settle(scheduler, metadata)
+    answers, _ = _step(scheduler, _request("r2", plan=_plan(fact=OTHER_FACT), prompt=HEADER + list(OTHER_FACT) + [99]))
+    assert answers == {"r2": MEMORY}
+
+
+def test_auto_waits_where_the_missing_bytes_come_faster_than_their_prefill(monkeypatch, clock) -> None:
+    scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="auto")
+    scheduler._miss_policy.prefill_tokens.per_second = 1.0  # prefill measured far slower than the bytes
+    request = _with_header_resident(scheduler)
+    answers, metadata = _step(scheduler, request)
+    assert answers == {"r1": None} and len(metadata.prefetches) == 1
+    _settle(scheduler, metadata)
+    assert _step(scheduler, request)[0] == {"r1": MEMORY}
+    assert "partial_loads" not in {name for name, count in _stats(scheduler).items() if count}
+
+
+def test_the_miss_policy_weighs_each_tiers_measured_bandwidth_against_measured_prefill() -> None:
+    policy = MissPolicy("auto", on_gpu=True)
+    for _ in range(50):  # moving averages reach what is measured
+        policy.observe_transfers({"host": 25_000_000, "source": 2_000_000}, {"host": 1_000, "source": 1_000})
+        policy.observe_step(4_000, 0.1)  # 40,000 tokens/s
+        policy.observe_step(8, 0.05)  # a decode step: says nothing of prefill
+    assert policy.host_bytes.per_second == pytest.approx(25e9, rel=1e-3)
+    assert policy.source_bytes.per_second == pytest.approx(2e9, rel=1e-3)
+    assert policy.prefill_tokens.per_second == pytest.approx(40_000, rel=1e-3)
+    # 86 MiB on the host tier: ~3.6 ms + latency, against 700 tokens' 17.5 ms of prefill: wait.
+    assert policy.decide(86 << 20, 0, 700).wait
+    # The same bytes from the service: ~45 ms: load what is resident, prefill the rest.
+    assert not policy.decide(0, 86 << 20, 700).wait
+    assert MissPolicy("wait", on_gpu=True).decide(0, 1 << 40, 1).wait
+    assert not MissPolicy("best-effort", on_gpu=True).decide(0, 0, 1 << 20).wait

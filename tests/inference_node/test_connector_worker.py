@@ -93,7 +93,7 @@ def test_the_settings_choose_the_kv_source_and_the_load_timer_once(tmp_path: Pat
     assert isinstance(kv_source(_settings(), HF_CONFIG), MemoryServiceKv)
     synthetic = kv_source(_settings(synthetic_kv=True), HF_CONFIG, KvHeadShard(1, 2))
     assert isinstance(synthetic, SyntheticKv) and synthetic.rank_shape == KvShape(LAYERS, 1, HEAD_DIM)
-    (entry,) = synthetic.fetch("u1", CHUNKS[1:], torch.device("cpu"), torch.bfloat16, None)
+    (entry,) = synthetic.fetch("u1", CHUNKS[1:], torch.bfloat16)
     assert entry.keys.shape == (LAYERS, 4, 1, HEAD_DIM) and entry.keys.dtype == torch.bfloat16
     assert entry.token_ids == CHUNKS[1].token_ids
     assert load_timer(_settings()) is UNTIMED
@@ -149,7 +149,7 @@ class _Source:
     def __init__(self, make) -> None:
         self.make, self.threads = make, list[str]()
 
-    def fetch(self, user_id, chunks, device, dtype, compute_stream):
+    def fetch(self, user_id, chunks, dtype):
         self.threads.append(threading.current_thread().name)
         return self.make(chunks)
 
@@ -170,7 +170,7 @@ def test_a_prefetch_that_waits_for_a_fetch_thread_past_its_start_time_fails_with
 
     def slow(chunks):
         release.wait(10)
-        return synthetic.fetch("u1", chunks, torch.device("cpu"), torch.float32, None)
+        return synthetic.fetch("u1", chunks, torch.float32)
 
     source = _Source(slow)
     worker = _worker_with(source)
@@ -239,9 +239,54 @@ def test_a_load_is_counted_once_per_node_not_once_per_rank(layers) -> None:
 
 def test_each_rank_checks_its_own_head_shard(layers) -> None:
     synthetic_half = SyntheticKv(KvHeadShard(1, 2).of(KvShape.from_config(HF_CONFIG)))
-    worker = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.device("cpu"),
-                                                                      torch.float32, None)), KvHeadShard(1, 2))
+    worker = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.float32)), KvHeadShard(1, 2))
     assert _prefetch(worker, layers).fetched
-    full = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.device("cpu"),
-                                                                    torch.float32, None)))
+    full = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.float32)))
     assert _prefetch(full, layers).failed  # a rank holding every head refuses half of them
+
+
+def test_a_chunk_evicted_from_the_device_tier_comes_back_from_the_host_tier_not_the_source(layers) -> None:
+    """Device -> host -> device on one rank: a chunk the directory kept on the host is copied back after its device
+    eviction, without asking the source; a host eviction sends the next prefetch to the source again."""
+    synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
+    source = _Source(lambda chunks: synthetic.fetch("u1", chunks, torch.float32))
+    worker = _worker_with(source)
+    keys = frozenset(chunk.key for chunk in CHUNKS)
+    context = _forward_context(layers)
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[PrefetchSpec("u1", CHUNKS, keep_on_host=keys)]),
+                         context)
+    assert _report_of(worker).fetched and len(source.threads) == 1
+    worker.start_load_kv(InferScaleConnectorMetadata(evictions=tuple(keys), prefetches=[PrefetchSpec("u1", CHUNKS)]),
+                         context)
+    assert _report_of(worker).fetched and len(source.threads) == 1  # from the host tier
+    stats = worker.take_stats()
+    assert stats is not None and (stats.data["facts_fetched"], stats.data["host_tier_hits"]) == (2, 2)
+    _load(worker, layers, "r1")
+    assert worker.take_failed_blocks() == set()
+    worker.start_load_kv(InferScaleConnectorMetadata(evictions=tuple(keys), host_evictions=tuple(keys),
+                                                     prefetches=[PrefetchSpec("u1", CHUNKS)]), context)
+    assert _report_of(worker).fetched and len(source.threads) == 2  # gone from both tiers: from the source
+
+
+def test_a_warm_up_puts_chunks_in_the_host_tier_only(layers) -> None:
+    synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
+    source = _Source(lambda chunks: synthetic.fetch("u1", chunks, torch.float32))
+    worker = _worker_with(source)
+    keys = frozenset(chunk.key for chunk in CHUNKS)
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[
+        PrefetchSpec("u1", CHUNKS, keep_on_host=keys, to_device=False)]), _forward_context(layers))
+    report = _report_of(worker)
+    assert report.warmed == Counter(keys) and not report.fetched
+    _load(worker, layers, "r1")  # not in the device tier: a declared load would be a defect
+    assert worker.take_failed_blocks() == {5, 6}
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[PrefetchSpec("u1", CHUNKS)]),
+                         _forward_context(layers))
+    assert _report_of(worker).fetched and len(source.threads) == 1  # then one copy away
+
+
+def _report_of(worker: InferScaleWorker) -> PrefetchReport:
+    deadline = time.monotonic() + 30
+    while (report := worker.build_worker_meta()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert report is not None
+    return report

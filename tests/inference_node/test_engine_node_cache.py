@@ -44,7 +44,8 @@ def _equals(step: dict, reference: dict) -> None:
 
 
 STEPS = ("cold", "warm", "shared", "shared_1", "intruder", "partial_hit", "full_prompt", "mismatch", "fetch_fails",
-         "fetch_slow", "aborted", "lost", "after_lost", "stale", "after_stale", "device_error", "after_device_error")
+         "fetch_slow", "aborted", "lost", "after_lost", "stale", "after_stale", "device_error", "after_device_error",
+         "host_warm", "from_host", "best_effort", "auto_slow", "auto_fast")
 
 
 def test_no_load_is_ever_async_and_only_fetch_threads_fetch(scenario) -> None:
@@ -119,3 +120,27 @@ def test_a_defect_fails_its_request_and_the_next_one_fetches_again_and_loads(sce
     after = scenario[f"after_{defect}"]
     assert after["fetches"] >= 1 and after["claims"] == [scenario["memory_tokens"]]
     _equals(after, scenario["text"])
+
+
+def test_a_chunk_the_device_tier_evicted_comes_back_from_the_host_tier_without_a_fetch(scenario) -> None:
+    assert all(scenario["on_host_before"])
+    from_host = scenario["from_host"]
+    assert from_host["waits"] >= 1 and from_host["claims"] == [scenario["memory_tokens"]]
+    assert from_host["fetch_attempts"] == 0 and from_host["fetches"] == 0 and all(from_host["resident_after"])
+    _equals(from_host, scenario["text"])
+
+
+@pytest.mark.parametrize("step", ["best_effort", "auto_slow"])
+def test_a_request_served_at_once_loads_its_resident_header_prefills_its_fact_and_fetches_it_for_later(
+        scenario, step) -> None:
+    served = scenario[step]
+    header_tokens = scenario["memory_tokens"] - scenario["fact_tokens"]
+    assert served["waits"] == 0 and served["claims"] == [header_tokens] and served["admitted_after"] == 1
+    _equals(served, scenario["text"])
+    assert all(scenario[f"{step}_resident_later"])  # the fact, fetched in the background
+
+
+def test_auto_waits_for_bytes_that_come_faster_than_their_prefill(scenario) -> None:
+    waited = scenario["auto_fast"]
+    assert waited["waits"] >= 1 and waited["claims"] == [scenario["memory_tokens"]] and waited["fetch_attempts"] == 1
+    _equals(waited, scenario["text"])

@@ -19,7 +19,8 @@ from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_varia
 # Every flag of the node's own and its default but --node-id's (the host name), as operators' manifests know them.
 PUBLISHED_FLAGS = {
     "--memory-service": "127.0.0.1:50051", "--model": None, "--kv-dtype": "float32", "--context-window": 50,
-    "--model-name": None, "--node-cache-mb": 4096, "--memory-top-k": 20, "--synchronous-loads": "auto",
+    "--model-name": None, "--node-cache-mb": 0, "--host-tier-mb": 0, "--kv-miss-policy": "auto",
+    "--memory-top-k": 20, "--synchronous-loads": "auto",
     "--kv-crossover-tokens": "measured", "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0,
     "--fetch-timeout-s": 10.0, "--load-stats-path": "", "--embed-queries-locally": False,
     "--embedding-model": "all-MiniLM-L6-v2", "--user-header": "", "--dry-run": False,
@@ -34,7 +35,8 @@ def test_the_flags_and_their_defaults_are_the_published_ones(monkeypatch: pytest
 
 def test_every_flag_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_each_flag_reads_its_variable(build_parser, monkeypatch, samples={
-        "--kv-dtype": "bfloat16", "--synchronous-loads": "off", "--node-id": "node-7", "--kv-crossover-tokens": "120"})
+        "--kv-dtype": "bfloat16", "--synchronous-loads": "off", "--node-id": "node-7", "--kv-crossover-tokens": "120",
+        "--kv-miss-policy": "best-effort"})
 
 
 def test_node_settings_take_their_defaults_from_the_flags_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,7 +46,7 @@ def test_node_settings_take_their_defaults_from_the_flags_declaration(monkeypatc
     settings = parser.build(NodeSettings, parsed, memory_service="m", node_id="n", model_dir="d")
     assert settings == NodeSettings(memory_service="m", node_id="n", model_dir="d")
     assert (settings.node_cache_mb, settings.default_top_k, settings.retrieve_timeout_s, settings.fetch_timeout_s,
-            settings.recompute_tail_facts) == (4096, 20, 2.0, 10.0, 0)
+            settings.recompute_tail_facts) == (0, 20, 2.0, 10.0, 0)
     assert vllm_args == ["--max-model-len", "64", "--dtype", "half"]
 
 
