@@ -377,6 +377,30 @@ INFERENCE_NODE = Dashboard(
                          "fetched {{instance}}"),
                    Query(f"sum by (instance) (rate(inferscale_connector_sync_misses_total[{RATE}]))",
                          "synchronous misses {{instance}}"))),
+            Panel("Node-cache tiers: where missing chunks came from",
+                  "Chunks brought into the device tier per second: copied from the node's host tier, or fetched "
+                  "from the memory service.", "short",
+                  (Query(f"sum by (instance) (rate(inferscale_connector_host_tier_hits_total[{RATE}]))",
+                         "host tier {{instance}}"),
+                   Query(f"sum by (instance) (rate(inferscale_connector_facts_fetched_total[{RATE}]))",
+                         "memory service {{instance}}"))),
+            Panel("Node-cache tiers: bandwidth",
+                  "Bytes per second of transfer time, per tier a miss read from (host-to-device copies; fetches "
+                  "from the memory service, checks and decode included): what the miss policy weighs.", "Bps",
+                  (Query(_ratio("inferscale_connector_host_bytes_copied_total",
+                                "inferscale_connector_host_copy_micros_total", "instance") + " * 1e6",
+                         "host tier {{instance}}"),
+                   Query(_ratio("inferscale_connector_source_bytes_fetched_total",
+                                "inferscale_connector_source_fetch_micros_total", "instance") + " * 1e6",
+                         "memory service {{instance}}"))),
+            Panel("Miss policy: waited and partial",
+                  "Per second: loads whose request waited for its missing chunks (the policy judged them faster "
+                  "to bring than to prefill), and requests served at once with their resident prefix, the rest "
+                  "prefilled while it was fetched.", "short",
+                  (Query(f"sum by (instance) (rate(inferscale_connector_async_loads_total[{RATE}]))",
+                         "waited {{instance}}"),
+                   Query(f"sum by (instance) (rate(inferscale_connector_partial_loads_total[{RATE}]))",
+                         "partial {{instance}}"))),
             Panel("Load failures and refused plans",
                   "Failed loads (recomputed by vLLM), plans the connector refused (forged or stale: a security "
                   "signal), and plans or reserved salts clients sent (stripped), per rate window. Healthy: 0.",

@@ -171,8 +171,7 @@ class NodeCacheDirectory:
     fetched it is reserved (its bytes count, it cannot be evicted); it leaves a tier only by this directory's eviction,
     and the device tier never while a request holds it (`hold`). A key is known with one token-id tuple at a time (the
     one its prefetch was ordered with). Evictions and prefetches are taken once per step into the connector metadata;
-    workers apply a step's evictions before its loads and its loads before its prefetches. A warm-up (`warm`) brings
-    chunks into the host tier only, into its free room.
+    workers apply a step's evictions before its loads and its loads before its prefetches.
     """
 
     def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1, host_budget_bytes: int = 0) -> None:
@@ -181,7 +180,6 @@ class NodeCacheDirectory:
         self._device = _Tier(budget_bytes)
         self._host = _Tier(host_budget_bytes)
         self._fetching: dict[KvKey, _Fetch] = {}  # into the device tier (and the host tier where reserved there)
-        self._warming: dict[KvKey, _Fetch] = {}  # into the host tier only
         self._holds: Counter[KvKey] = Counter()
         self._prefetches: list[PrefetchSpec] = []
         self._fetch_ids = itertools.count()
@@ -213,10 +211,8 @@ class NodeCacheDirectory:
         return fetch is not None and now > fetch.deadline
 
     def knows_other_tokens(self, chunk: ChunkLoad) -> bool:
-        """The chunk's key is resident, being fetched or warming, in either tier, with other token ids."""
+        """The chunk's key is resident or being fetched, in either tier, with other token ids."""
         known = [self._device.known_tokens(chunk.key), self._host.known_tokens(chunk.key)]
-        for fetch in (self._fetching.get(chunk.key), self._warming.get(chunk.key)):
-            known.append(fetch.token_ids if fetch is not None else None)
         return any(tokens is not None and tokens != chunk.token_ids for tokens in known)
 
     def hold(self, keys: Iterable[KvKey]) -> None:
@@ -279,25 +275,6 @@ class NodeCacheDirectory:
         self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s, frozenset(keep_on_host)))
         return True
 
-    def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> int:
-        """Orders those of `chunks` that neither tier holds nor anyone fetches brought into every rank's host tier
-        only, as many as fit its free room (a warm-up evicts nothing); returns how many were ordered."""
-        ordered = []
-        for chunk in {chunk.key: chunk for chunk in chunks}.values():
-            if (chunk.key in self._fetching or chunk.key in self._warming or self._device.holds(chunk)
-                    or self._host.known_tokens(chunk.key) is not None):
-                continue
-            size = len(chunk.token_ids) * self.bytes_per_token
-            if self._host.bytes + size > self._host.budget_bytes:
-                break
-            self._host.reserve(chunk.key, _Resident(size, chunk.token_ids))
-            self._warming[chunk.key] = _Fetch(size, chunk.token_ids, now + wait_s, next(self._fetch_ids))
-            ordered.append(chunk)
-        if ordered:
-            self._prefetches.append(PrefetchSpec(user_id, tuple(ordered), wait_s,
-                                                 frozenset(chunk.key for chunk in ordered), to_device=False))
-        return len(ordered)
-
     def _reserve_on_host(self, chunk: ChunkLoad, size: int) -> bool:
         if self._host.known_tokens(chunk.key) is not None:
             return False
@@ -317,13 +294,6 @@ class NodeCacheDirectory:
                 continue
             del self._fetching[key]
             self._device.settle(key, not fetch.failed)
-            if key not in self._warming:
-                self._host.settle(key, not fetch.failed)
-        for key in {*report.warmed, *report.warm_failed}:
-            fetch = self._warming.get(key)
-            if fetch is None or not fetch.settled(report.warmed[key], report.warm_failed[key], self.ranks):
-                continue
-            del self._warming[key]
             self._host.settle(key, not fetch.failed)
 
     def drop(self, keys: Iterable[KvKey]) -> None:

@@ -61,17 +61,12 @@ class KvResidency:
         return [entry for entry in entries if entry is not None]
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], device: torch.device, dtype: torch.dtype,
-              compute_stream: torch.cuda.Stream | None, keep_on_host: Collection[KvKey] = (),
-              to_device: bool = True) -> FetchCounts:
+              compute_stream: torch.cuda.Stream | None, keep_on_host: Collection[KvKey] = ()) -> FetchCounts:
         """Puts every chunk the device tier lacks into it (this rank's heads, on `device` in `dtype`), all or none,
         taking each from the host tier when it holds it and from the KV source otherwise; those of `keep_on_host`
-        fetched from the source also stay in the host tier. With `to_device` False, only brings the chunks of
-        `keep_on_host` the host tier lacks into it (a warm-up). Raises what the source raises, or ValueError for an
+        fetched from the source also stay in the host tier. Raises what the source raises, or ValueError for an
         entry of another shape or dtype. Thread-safe: fetch threads call it."""
-        if to_device:
-            wanted = [chunk for chunk in chunks if self.device_tier.get(chunk.key, chunk.token_ids) is None]
-        else:
-            wanted = [chunk for chunk in chunks if chunk.key in keep_on_host]
+        wanted = [chunk for chunk in chunks if self.device_tier.get(chunk.key, chunk.token_ids) is None]
         on_host = {chunk.key: entry for chunk in wanted
                    if (entry := self.host_tier.get(chunk.key, chunk.token_ids)) is not None}
         from_source = [chunk for chunk in wanted if chunk.key not in on_host]
@@ -91,18 +86,16 @@ class KvResidency:
                               zip(from_source, fetched, strict=True)}}
         source_seconds = time.perf_counter() - started
         copied_at = time.perf_counter()
-        if to_device:
-            on_device = self._to_device([host[chunk.key] for chunk in wanted], device, compute_stream)
+        on_device = self._to_device([host[chunk.key] for chunk in wanted], device, compute_stream)
         copy_seconds = time.perf_counter() - copied_at
         for chunk in from_source:
             if chunk.key in keep_on_host:
                 self.host_tier.put(chunk.key, host[chunk.key])
-        if to_device:
-            for chunk, entry in zip(wanted, on_device, strict=True):
-                self.device_tier.put(chunk.key, entry)
+        for chunk, entry in zip(wanted, on_device, strict=True):
+            self.device_tier.put(chunk.key, entry)
         return FetchCounts(
             from_host=len(on_host), host_bytes=sum(entry.nbytes for entry in on_host.values()),
-            host_seconds=copy_seconds if to_device else 0.0, from_source=len(from_source),
+            host_seconds=copy_seconds, from_source=len(from_source),
             source_bytes=sum(entry.nbytes for entry in fetched), source_seconds=source_seconds)
 
     def _to_device(self, entries: list[CachedKv], device: torch.device,

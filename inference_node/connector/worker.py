@@ -121,7 +121,7 @@ class InferScaleWorker:
         if time.monotonic() > start_by:
             raise TimeoutError(f"no fetch thread free within {spec.start_within_s:.1f} s")
         return self._residency.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream,
-                                     spec.keep_on_host, spec.to_device)
+                                     spec.keep_on_host)
 
     def build_worker_meta(self) -> PrefetchReport | None:
         """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""
@@ -130,17 +130,15 @@ class InferScaleWorker:
             if not future.done():
                 running.append((spec, future))
                 continue
-            keys = [chunk.key for chunk in spec.chunks] if spec.to_device else list(spec.keep_on_host)
-            settled, failed = (report.fetched, report.failed) if spec.to_device else (report.warmed,
-                                                                                        report.warm_failed)
+            keys = [chunk.key for chunk in spec.chunks]
             try:
                 counts = future.result()
             except Exception as exc:
                 logger.warning("InferScale: prefetch of %d chunks of user %s failed (%r); requests waiting for them "
                                "are prefilled", len(keys), spec.user_id, exc)
-                failed.update(keys)
+                report.failed.update(keys)
                 continue
-            settled.update(keys)
+            report.fetched.update(keys)
             self._count_transfers(counts, report)
         self._prefetching = running
         return None if report.is_empty() else report

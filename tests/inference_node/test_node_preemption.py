@@ -32,7 +32,7 @@ def crowded_node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factor
                                    "--dtype", "float32", "--max-model-len", "384", "--block-size", "32",
                                    "--num-gpu-blocks-override", "16", "--max-num-seqs", "8",
                                    # 8 retrievals at once on a loaded 2-core box: this test is about preemption.
-                                   "--retrieve-timeout-s", "60").start()
+                                   "--retrieve-timeout-s", "60", "--kv-miss-policy", "wait").start()
     yield process
     process.stop()
 
