@@ -157,6 +157,9 @@ class OptionParser(argparse.ArgumentParser):
 
     def __init__(self, env_prefix: str, **kwargs: Any) -> None:
         kwargs.setdefault("usage", "%(prog)s [flags]")
+        # Flags are spelled whole: with parse_known_args an abbreviation would take a flag meant for another program
+        # (vLLM's --host read as the node's --host-tier-mb).
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(**kwargs)
         self.env_prefix = env_prefix
         self._declared: dict[tuple[type, str], _Option] = {}  # by dataclass and field

@@ -137,3 +137,9 @@ def test_a_negative_recomputed_tail_is_refused_naming_the_flag(tiny_llama_dir) -
 def test_a_missing_model_folder_is_refused_naming_the_flag(tmp_path) -> None:
     with pytest.raises(SystemExit, match="--model: .* is not a local model folder"):
         node_main.plan_launch(["--model", str(tmp_path / "absent")])
+
+
+def test_a_vllm_flag_that_begins_like_one_of_the_nodes_goes_to_vllm() -> None:
+    """Regression: argparse took `--host` for an abbreviation of the node's `--host-tier-mb`."""
+    parsed, vllm_args = build_parser().parse_known_args(["--host", "0.0.0.0", "--port", "8000"])
+    assert vllm_args == ["--host", "0.0.0.0", "--port", "8000"] and parsed.host_tier_mb == 0
