@@ -65,9 +65,25 @@ KV_READ_METHODS = frozenset({"FetchKv"})
 
 def fetch_kv_response_bytes(key: KvKey, blob: bytes) -> bytes:
     """One FetchKv message, serialized (a blob is megabytes: FetchKv builds and encodes it on its read thread, not on
-    the event loop; memory_service.rpc sends bytes a handler wrote as they are)."""
-    return pb.FetchKvResponse(fact_id=key.fact_id, version=key.version, blob=blob,
-                              content_id=key.content_id).SerializeToString()
+    the event loop; memory_service.rpc sends bytes a handler wrote as they are). The small fields are serialized by
+    protobuf and the blob field framed after them by hand (field order is free on the wire): one copy of the blob,
+    where building a message and serializing it copies it twice."""
+    fields = pb.FetchKvResponse(fact_id=key.fact_id, version=key.version, content_id=key.content_id)
+    if not blob:
+        return fields.SerializeToString()
+    return b"".join((fields.SerializeToString(), _BLOB_TAG, _varint(len(blob)), blob))
+
+
+_BLOB_TAG = bytes([pb.FetchKvResponse.BLOB_FIELD_NUMBER << 3 | 2])  # field 3, length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _timestamp(micros: int) -> Timestamp:
