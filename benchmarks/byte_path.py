@@ -1,0 +1,242 @@
+"""The node's byte path on a node-cache miss: fact KV from the memory service into host tensors at the node, in GB/s
+and CPU seconds per GB, from the service's host cache and from its durable tier, with the service on a directory or
+on S3 (SeaweedFS on this machine).
+
+    python -m benchmarks.byte_path [--store dir s3] [--users 2] [--facts-per-user 30] [--k 20] [--streams 1 4]
+        [--callers 1 2] [--duration-s 6] [--legacy]
+
+For each store: starts a memory service, has the synthetic worker compute Llama-3-8B-shaped bf16 KV (~4.4 MiB per
+fact) for every user's facts, asks RetrieveAndStage for each user's top k (as a node does) and then, per phase, runs
+`--callers` closed loops of fetches for `--duration-s`, each fetch the header and the k facts of a random user
+decoded into bf16 host tensors of every head (as MemoryServiceKv hands them to the node's tiers). Phases:
+`host` (the service's default host cache, warmed first) and `durable` (the same data, the service restarted with
+--kv-host-budget-mb 0: every blob read from the directory or the bucket; a directory's files sit in the OS page
+cache, so this is the service's read path, not the disk). `--streams` are MemoryServiceKv's concurrent FetchKv
+calls per fetch; `--legacy` adds the path before (one FetchKv, each reply parsed into a protobuf message, the blob
+copied by decode_kv_blob, then the heads copied). CPU seconds count this process, the service and SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import random
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import torch
+
+from benchmarks.dummy_model import SHAPES, build_dummy_model
+from benchmarks.memory_step import populate
+from demo.smollm2 import build_smollm2
+from harness.memory_service import MemoryServiceProcess
+from harness.servers import S3Endpoint, postgres_server, seaweedfs_s3
+from inference_node.connector.kv_source import MemoryServiceKv
+from inference_node.connector.node_cache import CachedKv
+from inference_node.plan import ChunkLoad
+from inferscale.v1 import memory_pb2 as pb
+from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.blob import decode_kv_blob
+from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
+from inferscale_kv.layout import memory_header_ids
+from inferscale_kv.model_profile import build_model_profile
+from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+Fetch = Callable[[str, list[ChunkLoad]], list[CachedKv]]
+
+
+def legacy_fetch(address: str) -> Fetch:
+    """The path before: one FetchKv call, every reply a parsed protobuf message, decode_kv_blob (a copy), the heads
+    sliced and copied (kv_source.MemoryServiceKv as of commit 857e744)."""
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)])
+    stub = memory_pb2_grpc.MemoryServiceStub(channel)
+
+    def fetch(user_id: str, chunks: list[ChunkLoad]) -> list[CachedKv]:
+        header, facts = chunks[0], chunks[1:]
+        request = pb.FetchKvRequest(profile_id=header.key.profile_id, user_id=user_id, include_header=True,
+                                    header_content_id=header.key.content_id,
+                                    facts=[pb.FactRef(fact_id=c.key.fact_id, version=c.key.version,
+                                                      content_id=c.key.content_id) for c in facts])
+        out = []
+        for chunk, reply in zip(chunks, list(stub.FetchKv(request, timeout=60)), strict=True):
+            kv = decode_kv_blob(reply.blob, torch.bfloat16)
+            assert kv.header.key == chunk.key and kv.header.token_ids == chunk.token_ids
+            out.append(CachedKv(kv.keys[:, :, :].contiguous(), kv.values[:, :, :].contiguous(), kv.header.token_ids))
+        return out
+
+    return fetch
+
+
+def new_fetch(address: str, streams: int) -> Fetch:
+    source = MemoryServiceKv(address, 60, slice(None), streams=streams)
+    return lambda user_id, chunks: source.fetch(user_id, chunks, torch.bfloat16)
+
+
+def fetch_plan(service: MemoryServiceProcess, users: list[str], profile: pb.KvProfile, k: int,
+               header_ids: tuple[int, ...]) -> dict[str, tuple[list[ChunkLoad], int]]:
+    """Each user's chunks as a node asks for them after RetrieveAndStage (header first), and their blob bytes."""
+    plan = {}
+    with grpc.insecure_channel(service.address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        for user in users:
+            response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                user_id=user, query="what does the user like", top_k=k, profile=profile, node_id="byte-path"),
+                timeout=60)
+            if not response.header_content_id or not all(fact.kv_ready for fact in response.facts):
+                raise RuntimeError(f"{user}: KV not ready")
+            chunks = [ChunkLoad(KvKey(profile.profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION,
+                                      response.header_content_id), header_ids, 0)]
+            chunks += [ChunkLoad(KvKey(profile.profile_id, user, fact.fact_id, fact.version, fact.content_id),
+                                 tuple(fact.token_ids), 0) for fact in response.facts]
+            plan[user] = (chunks, sum(fact.kv_bytes for fact in response.facts))
+    return plan
+
+
+def cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """CPU seconds of this process (every thread: the node's side), and of the processes `pids` and their children
+    (the service's side)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            for each in [process, *process.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = each.cpu_times()
+                    total += times.user + times.system
+    return own.ru_utime + own.ru_stime, total
+
+
+def run_phase(fetch: Fetch, plan: dict[str, tuple[list[ChunkLoad], int]], callers: int, duration_s: float,
+              pids: list[int]) -> dict[str, Any]:
+    users = sorted(plan)
+    fetch(users[0], plan[users[0]][0])  # warm-up (connections, the host cache)
+    moved, latencies, lock = [0], [], threading.Lock()
+    deadline = time.monotonic() + duration_s
+
+    def loop(index: int) -> None:
+        rng = random.Random(index)
+        while time.monotonic() < deadline:
+            user = rng.choice(users)
+            chunks, _ = plan[user]
+            started = time.perf_counter()
+            fetched = fetch(user, chunks)
+            elapsed = time.perf_counter() - started
+            with lock:
+                moved[0] += sum(entry.nbytes for entry in fetched)
+                latencies.append(elapsed * 1000)
+
+    cpu_before, started = cpu_seconds(pids), time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(index,)) for index in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall, cpu_after = time.perf_counter() - started, cpu_seconds(pids)
+    node_cpu, service_cpu = (after - before for after, before in zip(cpu_after, cpu_before, strict=True))
+    gigabytes = moved[0] / 1e9
+    return {"callers": callers, "fetches": len(latencies), "mb_per_fetch": round(moved[0] / len(latencies) / 1e6, 1),
+            "gb_per_s": round(gigabytes / wall, 3), "cpu_s_per_gb": round((node_cpu + service_cpu) / gigabytes, 2),
+            "node_cpu_s_per_gb": round(node_cpu / gigabytes, 2),
+            "service_cpu_s_per_gb": round(service_cpu / gigabytes, 2), "p50_ms": round(statistics.median(latencies), 1)}
+
+
+@contextlib.contextmanager
+def store(kind: str, root: Path) -> Iterator[tuple[list[str], dict[str, str], S3Endpoint | None]]:
+    """The service's flags and environment for `kind`, with SeaweedFS (and the PostgreSQL a shared store needs)
+    running for s3."""
+    if kind == "dir":
+        yield [], {}, None
+        return
+    # Postgres's CPU is not counted: it answers the index queries, the same for every path.
+    with postgres_server(root / "postgres") as url, seaweedfs_s3(root / "s3") as s3:
+        s3.create_bucket("bytepath")
+        yield ["--coordination-url", url, "--store-uri", "s3://bytepath/service", "--s3-endpoint", s3.url,
+               "--s3-allow-http"], s3.environment(), s3
+
+
+def weed_pids() -> list[int]:
+    return [process.pid for process in psutil.process_iter(["name"]) if process.info["name"] == "weed"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.byte_path", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", nargs="+", choices=("dir", "s3"), default=["dir", "s3"])
+    parser.add_argument("--users", type=int, default=2)
+    parser.add_argument("--facts-per-user", type=int, default=30)
+    parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4],
+                        help="MemoryServiceKv's concurrent FetchKv calls per fetch (one phase each)")
+    parser.add_argument("--callers", type=int, nargs="+", default=[1, 2], help="concurrent fetches")
+    parser.add_argument("--duration-s", type=float, default=6.0)
+    parser.add_argument("--tiers", nargs="+", choices=("host", "durable"), default=["host", "durable"])
+    parser.add_argument("--legacy", action="store_true", help="also measure the path before (one stream, protobuf)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "byte_path.json")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = build_smollm2(REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
+    users = [f"byte-user-{index:02d}" for index in range(args.users)]
+    results: dict[str, Any] = {"args": {key: str(value) for key, value in vars(args).items()},
+                               "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                               "cpus": psutil.cpu_count(), "phases": []}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    paths: list[tuple[str, Callable[[str], Fetch]]] = [
+        (f"streams={streams}", functools.partial(new_fetch, streams=streams)) for streams in args.streams]
+    if args.legacy:
+        paths.insert(0, ("legacy", legacy_fetch))
+    with tempfile.TemporaryDirectory(prefix="byte-path-") as scratch:
+        work = Path(scratch)
+        model_dir = build_dummy_model(work / args.shape, args.shape, tokenizer_dir, "bfloat16")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        profile = pb.KvProfile(**build_model_profile(model_dir, tokenizer, "bfloat16",
+                                                     DEFAULT_CONTEXT_WINDOW).as_dict())
+        header_ids = tuple(memory_header_ids(tokenizer))
+        for kind in args.store:
+            with store(kind, work) as (flags, env, _):
+                data = work / f"data-{kind}"
+                for tier in args.tiers:
+                    tier_flags = ["--kv-host-budget-mb", "0"] if tier == "durable" else []
+                    service = MemoryServiceProcess(data, work / f"{kind}-{tier}.log", *flags, *tier_flags,
+                                                   env=env).start()
+                    try:
+                        if tier == args.tiers[0]:
+                            populate(service, model_dir, users, args.facts_per_user, 2, "bfloat16", env)
+                        plan = fetch_plan(service, users, profile, args.k, header_ids)
+                        pids = [service.pid, *(weed_pids() if kind == "s3" else [])]
+                        for name, make in paths:
+                            fetch = make(service.address)
+                            for callers in args.callers:
+                                phase = {"store": kind, "tier": tier, "path": name,
+                                         **run_phase(fetch, plan, callers, args.duration_s, pids)}
+                                results["phases"].append(phase)
+                                args.output.write_text(json.dumps(results, indent=2))
+                                print(json.dumps(phase), flush=True)
+                    finally:
+                        service.stop()
+    print("\n| store | tier | path | callers | MB/fetch | GB/s | CPU s/GB (node + service) | p50 ms |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for phase in results["phases"]:
+        print(f"| {phase['store']} | {phase['tier']} | {phase['path']} | {phase['callers']} | "
+              f"{phase['mb_per_fetch']} | {phase['gb_per_s']} | {phase['cpu_s_per_gb']} "
+              f"({phase['node_cpu_s_per_gb']} + {phase['service_cpu_s_per_gb']}) | {phase['p50_ms']} |")
+    print(f"\nwritten: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
