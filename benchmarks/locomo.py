@@ -183,7 +183,7 @@ class Evaluator:
         self.cos, self.sin = tables.cos, tables.sin
         settings = NodeSettings(memory_service=memory_service, node_id="locomo-eval", model_dir=str(model_dir),
                                 fetch_timeout_s=120.0)
-        self.residency = KvResidency(NodeKvCache(), kv_source(settings, self.model.config),
+        self.residency = KvResidency(NodeKvCache(), NodeKvCache(), kv_source(settings, self.model.config),
                                      KvShape.from_config(self.model.config))
         self.max_new_tokens = max_new_tokens
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>")}

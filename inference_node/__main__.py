@@ -32,7 +32,8 @@ MIN_VLLM_GPU_SHARE = 0.05
 NODE_CACHE_SHARE = 0.25
 MIN_NODE_CACHE_MB = 512
 CPU_NODE_CACHE_MB = 1024
-# --host-tier-mb 0: this share of the host's memory (or the container's limit), at most MAX_HOST_TIER_MB.
+# --host-tier-mb not given: this share of the host's memory (or the container's limit), at most MAX_HOST_TIER_MB,
+# shared by the tensor-parallel ranks.
 HOST_TIER_SHARE = 0.25
 MAX_HOST_TIER_MB = 64 << 10
 
@@ -117,14 +118,15 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
         crossover = int(options.kv_crossover_tokens)
     settings = parser.build(NodeSettings, args, memory_service=options.memory_service, node_id=options.node_id,
                             model_dir=str(model_dir), profile=profile.as_dict(), kv_crossover_tokens=crossover)
-    if settings.node_cache_mb < 0 or settings.host_tier_mb < 0:
-        raise SystemExit("inference_node: --node-cache-mb and --host-tier-mb must be 0 (chosen for this machine) or "
-                         "more")
+    if settings.node_cache_mb < 0 or (settings.host_tier_mb or 0) < 0 or settings.warm_facts < 0:
+        raise SystemExit("inference_node: --node-cache-mb, --host-tier-mb and --warm-facts must be 0 or more")
+    ranks = int(_flag(vllm_args, "--tensor-parallel-size") or _flag(vllm_args, "-tp") or 1)
     settings = dataclasses.replace(
         settings,
         node_cache_mb=settings.node_cache_mb or default_node_cache_mb(
-            device_bytes, _gpu_memory_utilization(vllm_args), weights_bytes(model_dir)),
-        host_tier_mb=settings.host_tier_mb or default_host_tier_mb(host_memory_bytes()))
+            device_bytes, _gpu_memory_utilization(vllm_args), weights_bytes(model_dir) // ranks),
+        host_tier_mb=(settings.host_tier_mb if settings.host_tier_mb is not None
+                      else default_host_tier_mb(host_memory_bytes(), device_bytes, ranks)))
     if settings.recompute_tail_facts < 0:
         raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
     if settings.recompute_tail_facts > settings.max_top_k:
@@ -170,9 +172,12 @@ def default_node_cache_mb(device_bytes: int | None, utilization: float, weights:
     return max(MIN_NODE_CACHE_MB, int(NODE_CACHE_SHARE * (utilization * device_bytes - weights)) >> 20)
 
 
-def default_host_tier_mb(host_bytes: int) -> int:
-    """--host-tier-mb 0: HOST_TIER_SHARE of the host's (or container's) memory, at most MAX_HOST_TIER_MB."""
-    return min(MAX_HOST_TIER_MB, int(HOST_TIER_SHARE * host_bytes) >> 20)
+def default_host_tier_mb(host_bytes: int, device_bytes: int | None, ranks: int) -> int:
+    """--host-tier-mb not given: each of `ranks` ranks' share of HOST_TIER_SHARE of the host's (or container's)
+    memory, at most MAX_HOST_TIER_MB in all; none on a CPU node (its device tier is host memory)."""
+    if device_bytes is None:
+        return 0
+    return min(MAX_HOST_TIER_MB, int(HOST_TIER_SHARE * host_bytes) >> 20) // max(1, ranks)
 
 
 def host_memory_bytes() -> int:
@@ -189,9 +194,12 @@ def host_memory_bytes() -> int:
 
 
 def weights_bytes(model_dir: Path) -> int:
-    """The model's weights as stored (safetensors or PyTorch files): what vLLM's share holds before its cache."""
-    return sum(path.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt")
-               for path in model_dir.glob(pattern))
+    """The model's weights as stored: its safetensors files, or else its PyTorch ones (training state left out);
+    what vLLM's share holds before its cache, over every rank."""
+    files = list(model_dir.glob("*.safetensors")) or [
+        path for pattern in ("*.bin", "*.pt") for path in model_dir.glob(pattern)
+        if not path.name.startswith(("training_args", "optimizer", "scheduler", "rng_state"))]
+    return sum(path.stat().st_size for path in files)
 
 
 def _gpu_memory_utilization(vllm_args: list[str]) -> float:

@@ -12,17 +12,27 @@ writes the x-inferscale-memory summary's fields.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from prometheus_client import Counter
 
-from inference_node.memory_prompt import FACT_ORDERS, FactLines, MemoryPlan, MemoryTokens, plan_memory, system_content
+from inference_node.memory_prompt import (
+    FACT_ORDERS,
+    FactLines,
+    MemoryPlan,
+    MemoryTokens,
+    has_kv,
+    plan_memory,
+    system_content,
+)
 from inference_node.memory_request import MemoryRequest, text_of
-from inference_node.plan import PlanSigner, plan_secret_from_env
+from inference_node.plan import PlanFact, PlanSigner, plan_secret_from_env
 from inference_node.retrieval import Retrieved
 from inference_node.settings import NodeSettings
+from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import memory_header_ids, memory_header_text
 from inferscale_kv.stored_text import StoredTextGuard
 
@@ -88,7 +98,7 @@ class MemoryPlacement:
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
         if inject:
-            signed = self._signer.sign(plan.plan)
+            signed = self._signer.sign(plan.plan, warm_up_facts(retrieved.warm_up))
             members["kv_transfer_params"] = signed.kv_transfer_params_json
             payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
@@ -100,6 +110,12 @@ class MemoryPlacement:
         if memory.mode == "kv" and not inject:
             summary.update(kv_facts=0, injectable_tokens=0)
         return members
+
+
+def warm_up_facts(facts: Sequence[pb.RetrievedFact]) -> tuple[PlanFact, ...]:
+    """The facts of a warm-up that have KV, as a plan names them."""
+    return tuple(PlanFact(fact.fact_id, fact.version, fact.content_id, tuple(fact.token_ids)) for fact in facts
+                 if has_kv(fact))
 
 
 def _write_prompt(payload: dict, path: str, plan: MemoryPlan, parts: PromptParts) -> dict[str, bytes]:

@@ -12,6 +12,9 @@ Wire form in `kv_transfer_params` (`LoadPlan.to_wire` / `from_wire`, the one con
 HMACs of its canonical JSON): {"inferscale": {"plan": {...}, "sig": "<hex>"}}, plan:
     {"v": 1, "profile_id": str, "user_id": str, "header": {"content_id": str, "token_ids": [int]},
      "facts": [{"fact_id": str, "version": int, "content_id": str, "token_ids": [int]}, ...]}
+A plan may carry a warm-up: more of the user's facts, in the facts' wire form, for the connector to fetch into the
+node's host tier for the user's next requests (never loaded on their account): "warm": [...], "warm_sig": "<hex>",
+an HMAC of the plan's canonical JSON and the warm-up's, so it is bound to its plan and leaves the plan's salt as it is.
 """
 
 from __future__ import annotations
@@ -87,8 +90,7 @@ class LoadPlan:
     def to_wire(self) -> dict[str, Any]:
         return {"v": PLAN_VERSION, "profile_id": self.profile_id, "user_id": self.user_id,
                 "header": {"content_id": self.header.content_id, "token_ids": list(self.header.token_ids)},
-                "facts": [{"fact_id": fact.fact_id, "version": fact.version, "content_id": fact.content_id,
-                           "token_ids": list(fact.token_ids)} for fact in self.facts]}
+                "facts": facts_to_wire(self.facts)}
 
     @classmethod
     def from_wire(cls, wire: object) -> LoadPlan | None:
@@ -102,15 +104,30 @@ class LoadPlan:
         if not (isinstance(header, dict) and header.keys() == _HEADER_FIELDS and isinstance(header["content_id"], str)
                 and _is_token_ids(header["token_ids"])):
             return None
-        facts = []
-        for fact in wire["facts"]:
-            if not (isinstance(fact, dict) and fact.keys() == _FACT_FIELDS and isinstance(fact["fact_id"], str)
-                    and _is_int(fact["version"]) and isinstance(fact["content_id"], str)
-                    and _is_token_ids(fact["token_ids"])):
-                return None
-            facts.append(PlanFact(fact["fact_id"], fact["version"], fact["content_id"], tuple(fact["token_ids"])))
+        facts = facts_from_wire(wire["facts"])
+        if facts is None:
+            return None
         return cls(wire["profile_id"], wire["user_id"], PlanHeader(header["content_id"], tuple(header["token_ids"])),
-                   tuple(facts))
+                   facts)
+
+
+def facts_to_wire(facts: Sequence[PlanFact]) -> list[dict[str, Any]]:
+    return [{"fact_id": fact.fact_id, "version": fact.version, "content_id": fact.content_id,
+             "token_ids": list(fact.token_ids)} for fact in facts]
+
+
+def facts_from_wire(wire: object) -> tuple[PlanFact, ...] | None:
+    """The facts `wire` lists, or None unless it is exactly what facts_to_wire writes. Never raises."""
+    if not isinstance(wire, list):
+        return None
+    facts = []
+    for fact in wire:
+        if not (isinstance(fact, dict) and fact.keys() == _FACT_FIELDS and isinstance(fact["fact_id"], str)
+                and _is_int(fact["version"]) and isinstance(fact["content_id"], str)
+                and _is_token_ids(fact["token_ids"])):
+            return None
+        facts.append(PlanFact(fact["fact_id"], fact["version"], fact["content_id"], tuple(fact["token_ids"])))
+    return tuple(facts)
 
 
 def _is_int(value: object) -> bool:
@@ -182,11 +199,17 @@ class PlanSigner:
     def _salt(self, canonical: bytes) -> str:
         return RESERVED_SALT_PREFIX + self._mac(b"salt", canonical)[:32]
 
-    def sign(self, plan: LoadPlan) -> SignedPlan:
-        """The plan's signed wire form and its cache salt, from one canonical form (the request path's cost)."""
+    def sign(self, plan: LoadPlan, warm_up: Sequence[PlanFact] = ()) -> SignedPlan:
+        """The plan's signed wire form (with its warm-up, if any) and its cache salt, from one canonical form (the
+        request path's cost)."""
         canonical = _canonical(plan.to_wire())
         signature = self._mac(b"plan", canonical).encode()
-        params = b'{"%s":{"plan":%s,"sig":"%s"}}' % (PARAMS_KEY.encode(), canonical, signature)
+        warm = b""
+        if warm_up:
+            warm_canonical = _canonical({"warm": facts_to_wire(warm_up)})
+            warm = b',"warm":%s,"warm_sig":"%s"' % (warm_canonical[len(b'{"warm":'):-1],
+                                                   self._mac(b"warm", canonical + b"\0" + warm_canonical).encode())
+        params = b'{"%s":{"plan":%s,"sig":"%s"%s}}' % (PARAMS_KEY.encode(), canonical, signature, warm)
         return SignedPlan(params, self._salt(canonical))
 
     def kv_transfer_params(self, plan: LoadPlan) -> dict[str, Any]:
@@ -230,6 +253,23 @@ class PlanSigner:
             return None
         return plan, self._salt(canonical)
 
+    def verified_warm_up(self, params: object) -> tuple[PlanFact, ...]:
+        """The warm-up in `params` if the middleware signed it with the plan beside it (call after that plan is
+        verified), else none. Never raises."""
+        signed = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if not isinstance(signed, dict) or not isinstance(signed.get("warm_sig"), str):
+            return ()
+        facts = facts_from_wire(signed.get("warm"))
+        wire = signed.get("plan")
+        if not facts or LoadPlan.from_wire(wire) is None or not isinstance(wire, dict):
+            return ()
+        try:
+            canonical = _canonical(wire) + b"\0" + _canonical({"warm": facts_to_wire(facts)})
+            signature = signed["warm_sig"].encode()
+        except UnicodeEncodeError:
+            return ()
+        return facts if hmac.compare_digest(signature, self._mac(b"warm", canonical).encode()) else ()
+
     def verified(self, params: object) -> LoadPlan | None:
         """The plan in `params` if its signature is the middleware's and it is well formed, else None (never
         raises)."""
@@ -257,6 +297,18 @@ def provable_prefix(prompt_token_ids: Sequence[int], plan: LoadPlan, profile_id:
     if not chunks:
         return NO_PREFIX
     return ProvenPrefix(plan.user_id, tuple(chunks), min(offset, len(prompt_token_ids) - 1))
+
+
+def warm_up_chunks(warm_up: Sequence[PlanFact], plan: LoadPlan, profile_id: str) -> tuple[ChunkLoad, ...]:
+    """A verified warm-up's chunks (the plan's user's facts with a well-formed content id and token ids, none the plan
+    itself names), for the host tier only: their offsets mean nothing, they are never loaded on their account."""
+    if plan.profile_id != profile_id or not plan.user_id or plan.user_id == HEADER_OWNER:
+        return ()
+    named = {(fact.fact_id, fact.version) for fact in plan.facts}
+    return tuple(ChunkLoad(KvKey(profile_id, plan.user_id, fact.fact_id, fact.version, fact.content_id),
+                           fact.token_ids, 0)
+                 for fact in warm_up if _CONTENT_ID.fullmatch(fact.content_id) and fact.token_ids
+                 and (fact.fact_id, fact.version) not in named)
 
 
 def strip_client_plans(payload: Any) -> int:

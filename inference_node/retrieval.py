@@ -1,5 +1,8 @@
 """The node's RetrieveAndStage call for one memory request: built from the request's `memory` and question (the query
 embedded on this node with --embed-queries-locally), under the --retrieve-timeout-s deadline, its latency observed.
+On a kv request of a user not warmed up lately it asks for --warm-facts more facts than the request's top_k: those
+come back apart (`Retrieved.warm_up`) for the connector to fetch into the host tier; the request's memory is its own
+top_k alone.
 
 The memory service refusing a value the request gave (INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming `user_id`,
 `top_k`, `retrieval` or `query`) is the client's to fix: a RequestRefused naming the request's own field, with the
@@ -10,6 +13,8 @@ one case a memory request is answered without its memory: Dropped, with its reas
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +23,11 @@ from prometheus_client import Counter, Histogram
 
 from inference_node.memory_request import RETRIEVAL_MODES, MemoryRequest, RequestRefused, leading_field
 from inference_node.query_embedding import LocalQueryEmbedder
-from inference_node.settings import NodeSettings
+from inference_node.settings import WARM_UP_EVERY_S, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
+from inferscale_kv.limits import MAX_MEMORY_TOP_K
 
 DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
 DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
@@ -42,8 +48,33 @@ STAGE_SECONDS = Histogram("inferscale_node_stage_seconds", "RetrieveAndStage lat
 
 @dataclass(frozen=True)
 class Retrieved:
-    response: pb.RetrieveAndStageResponse
+    response: pb.RetrieveAndStageResponse  # the request's own top_k facts, best first
     seconds: float  # from building the call to its answer (a local query embedding included)
+    warm_up: tuple[pb.RetrievedFact, ...] = ()  # the next best, for the node's host tier (--warm-facts)
+
+
+class WarmUps:
+    """Which users' warm-ups were asked lately: a user's is asked again after WARM_UP_EVERY_S (by then the node may
+    have let the user's KV go), at most `capacity` users remembered (least recently warmed out)."""
+
+    def __init__(self, capacity: int = 100_000, every_s: float = WARM_UP_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.every_s = every_s
+        self._clock = clock
+        self._asked: OrderedDict[str, float] = OrderedDict()
+
+    def due(self, user_id: str) -> bool:
+        """True, remembering it, if the user's warm-up was not asked within `every_s`."""
+        now = self._clock()
+        asked = self._asked.get(user_id)
+        if asked is not None and now - asked < self.every_s:
+            return False
+        self._asked[user_id] = now
+        self._asked.move_to_end(user_id)
+        while len(self._asked) > self.capacity:
+            self._asked.popitem(last=False)
+        return True
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,7 @@ class MemoryRetriever:
         self._query_embedder = LocalQueryEmbedder(settings.embedding_model) if settings.embed_queries_locally else None
         self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
         self._call_metadata: tuple[tuple[str, str], ...] = ()
+        self._warm_ups = WarmUps()
 
     def _connected(self) -> memory_pb2_grpc.MemoryServiceStub:
         if self._stub is None:
@@ -82,7 +114,10 @@ class MemoryRetriever:
         service refused a value the request on `path` gave."""
         stub = self._connected()
         started = time.perf_counter()
-        request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k,
+        warm_facts = 0
+        if memory.mode == "kv" and self.settings.warm_facts and self._warm_ups.due(memory.user_id):
+            warm_facts = max(0, min(self.settings.warm_facts, MAX_MEMORY_TOP_K - memory.top_k))
+        request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k + warm_facts,
                                              profile=self._profile, node_id=self.settings.node_id,
                                              retrieval=RETRIEVAL_MODES.get(memory.retrieval,
                                                                            pb.RETRIEVAL_MODE_UNSPECIFIED))
@@ -102,7 +137,9 @@ class MemoryRetriever:
             return dropped
         seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(seconds)
-        return Retrieved(response, seconds)
+        warm_up = tuple(response.facts[memory.top_k:])
+        del response.facts[memory.top_k:]
+        return Retrieved(response, seconds, warm_up)
 
 
 def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefused | None:

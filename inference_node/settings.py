@@ -16,6 +16,7 @@ from inferscale_kv.options import option
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
 MISS_POLICIES = ("auto", "wait", "best-effort")  # --kv-miss-policy (inference_node.connector.miss_policy)
+WARM_UP_EVERY_S = 600.0  # --warm-facts: a user's warm-up is asked again after this long
 
 
 @dataclass(frozen=True)
@@ -28,24 +29,29 @@ class NodeSettings:
     model_dir: str
     profile: dict = field(default_factory=dict)  # ModelProfile.as_dict()
     node_cache_mb: int = option(
-        0, help="device memory for cached fact KV (MiB; the node cache's device tier). 0: chosen from the device: a "
-        "quarter of what --gpu-memory-utilization leaves vLLM after the model's weights (the rest stays vLLM's paged "
-        "cache), at least 512 MiB; 1024 MiB on a CPU node")
-    host_tier_mb: int = option(
-        0, help="pinned host memory for fact KV behind the device tier (MiB; chunks fetched from the memory service "
-        "stay there, a device eviction leaves them one host-to-device copy away). 0: a quarter of the host's memory "
-        "(or of the container's limit), at most 64 GiB")
+        0, help="device memory for cached fact KV, per tensor-parallel rank (MiB; the node cache's device tier). 0: "
+        "chosen from the device: a quarter of what --gpu-memory-utilization leaves vLLM after the model's weights "
+        "(the rest stays vLLM's paged cache), at least 512 MiB; 1024 MiB on a CPU node")
+    host_tier_mb: int | None = option(
+        None, help="pinned host memory for fact KV behind the device tier, per tensor-parallel rank (MiB; chunks "
+        "fetched from the memory service stay there, so that a device eviction leaves them one host-to-device copy "
+        "away; 0: none). Not given: a quarter of the host's memory (or of the container's limit) shared by the "
+        "ranks, at most 64 GiB; none on a CPU node, whose device tier is host memory already")
     kv_miss_policy: str = option(
         "auto", choices=MISS_POLICIES,
         help="a request whose memory is not all in the device tier: auto waits for the missing KV only where "
         "bringing its bytes (at each tier's measured bandwidth) is faster than prefilling it, else loads the "
-        "resident prefix and prefills the rest while the missing KV is fetched in the background; wait always "
-        "waits; best-effort never does")
+        "resident prefix and prefills the rest while the missing KV is fetched in the background; wait waits (but "
+        "for KV that cannot fit the device tier); best-effort never does")
     retrieve_timeout_s: float = option(
         2.0, help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     fetch_timeout_s: float = option(
         10.0, help="deadline of a fact-KV fetch from the memory service; past it the request's memory is prefilled")
     default_top_k: int = option(20, flag="memory-top-k", help="facts per request when the request does not say")
+    warm_facts: int = option(
+        50, help=f"kv mode: on a user's first request to this node in {WARM_UP_EVERY_S:.0f} s, this many more of the "
+        "user's facts (the next best for its question) are fetched into the host tier in the background, for the "
+        f"user's next requests (with the request's own, at most {MAX_MEMORY_TOP_K}; 0: none)")
     max_top_k: int = MAX_MEMORY_TOP_K  # the largest memory.top_k and recompute_tail_facts (not a flag)
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).

@@ -379,11 +379,13 @@ INFERENCE_NODE = Dashboard(
                          "synchronous misses {{instance}}"))),
             Panel("Node-cache tiers: where missing chunks came from",
                   "Chunks brought into the device tier per second: copied from the node's host tier, or fetched "
-                  "from the memory service.", "short",
+                  "from the memory service; and chunks a user's first request warmed into the host tier.", "short",
                   (Query(f"sum by (instance) (rate(inferscale_connector_host_tier_hits_total[{RATE}]))",
                          "host tier {{instance}}"),
                    Query(f"sum by (instance) (rate(inferscale_connector_facts_fetched_total[{RATE}]))",
-                         "memory service {{instance}}"))),
+                         "memory service {{instance}}"),
+                   Query(f"sum by (instance) (rate(inferscale_connector_warmed_chunks_total[{RATE}]))",
+                         "warmed {{instance}}"))),
             Panel("Node-cache tiers: bandwidth",
                   "Bytes per second of transfer time, per tier a miss read from (host-to-device copies; fetches "
                   "from the memory service, checks and decode included): what the miss policy weighs.", "Bps",

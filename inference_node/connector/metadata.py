@@ -36,13 +36,15 @@ class LoadSpec:
 class PrefetchSpec:
     """Fetch these chunks (one user's facts, and maybe the header) into every rank's device tier, from its host tier
     where it holds them, else from the memory service; those of `keep_on_host` fetched from the service also stay in
-    the host tier. A rank whose fetch threads are still busy `start_within_s` after receiving it reports it failed
-    without fetching (its waiters have given up by then)."""
+    the host tier. With `to_device` False (a warm-up), bring `keep_on_host` into the host tier only. A rank whose
+    fetch threads are still busy `start_within_s` after receiving it reports it failed without fetching (its waiters
+    have given up by then)."""
 
     user_id: str
     chunks: tuple[ChunkLoad, ...]
     start_within_s: float = math.inf
     keep_on_host: frozenset[KvKey] = frozenset()
+    to_device: bool = True
 
 
 @dataclass
@@ -55,22 +57,25 @@ class InferScaleConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class PrefetchReport(KVConnectorWorkerMetadata):
-    """Per chunk key, how many ranks finished prefetching it this step (fetched into their device tier, or failed);
-    per tier a transfer read from, the bytes it moved and the microseconds it took, summed over transfers and
-    ranks."""
+    """Per chunk key, how many ranks finished prefetching it this step (fetched into their device tier, or failed),
+    and warming it (into their host tier); per tier a transfer read from, the bytes it moved and the microseconds it
+    took, summed over transfers and ranks."""
 
     fetched: Counter[KvKey] = field(default_factory=Counter)
     failed: Counter[KvKey] = field(default_factory=Counter)
+    warmed: Counter[KvKey] = field(default_factory=Counter)
+    warm_failed: Counter[KvKey] = field(default_factory=Counter)
     transfer_bytes: Counter[str] = field(default_factory=Counter)  # "host" (host to device), "source" (service)
     transfer_micros: Counter[str] = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PrefetchReport:
         if isinstance(other, PrefetchReport):
-            self.fetched.update(other.fetched)
-            self.failed.update(other.failed)
+            for mine, theirs in ((self.fetched, other.fetched), (self.failed, other.failed),
+                                 (self.warmed, other.warmed), (self.warm_failed, other.warm_failed)):
+                mine.update(theirs)
             self.transfer_bytes.update(other.transfer_bytes)
             self.transfer_micros.update(other.transfer_micros)
         return self
 
     def is_empty(self) -> bool:
-        return not (self.fetched or self.failed)
+        return not (self.fetched or self.failed or self.warmed or self.warm_failed)

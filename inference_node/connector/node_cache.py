@@ -22,6 +22,8 @@ from inference_node.connector.metadata import PrefetchReport, PrefetchSpec
 from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
 
+_MAX_FAILURES_KEPT = 65_536  # failed fetches remembered (recently_failed)
+
 
 @dataclass(frozen=True)
 class CachedKv:
@@ -91,6 +93,7 @@ class _Fetch:
 
     num_bytes: int
     token_ids: tuple[int, ...]
+    ordered_at: float
     deadline: float
     fetch_id: int
     fetched: int = 0
@@ -171,7 +174,8 @@ class NodeCacheDirectory:
     fetched it is reserved (its bytes count, it cannot be evicted); it leaves a tier only by this directory's eviction,
     and the device tier never while a request holds it (`hold`). A key is known with one token-id tuple at a time (the
     one its prefetch was ordered with). Evictions and prefetches are taken once per step into the connector metadata;
-    workers apply a step's evictions before its loads and its loads before its prefetches.
+    workers apply a step's evictions before its loads and its loads before its prefetches. A warm-up (`warm`) brings
+    chunks into the host tier only, into its free room.
     """
 
     def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1, host_budget_bytes: int = 0) -> None:
@@ -180,6 +184,8 @@ class NodeCacheDirectory:
         self._device = _Tier(budget_bytes)
         self._host = _Tier(host_budget_bytes)
         self._fetching: dict[KvKey, _Fetch] = {}  # into the device tier (and the host tier where reserved there)
+        self._failed_at: dict[KvKey, float] = {}  # when a fetch of the key last failed (see recently_failed)
+        self._warming: dict[KvKey, _Fetch] = {}  # into the host tier only
         self._holds: Counter[KvKey] = Counter()
         self._prefetches: list[PrefetchSpec] = []
         self._fetch_ids = itertools.count()
@@ -210,9 +216,17 @@ class NodeCacheDirectory:
         fetch = self._fetching.get(key)
         return fetch is not None and now > fetch.deadline
 
+    def recently_failed(self, key: KvKey, now: float, within_s: float) -> bool:
+        """A fetch of `key` ordered within `within_s` before `now` failed: a fetch nobody waits for is not ordered
+        again so soon (each would evict others' chunks for a chunk the memory service may not have yet)."""
+        failed_at = self._failed_at.get(key)
+        return failed_at is not None and now - failed_at < within_s
+
     def knows_other_tokens(self, chunk: ChunkLoad) -> bool:
-        """The chunk's key is resident or being fetched, in either tier, with other token ids."""
+        """The chunk's key is resident, being fetched or warming, in either tier, with other token ids."""
         known = [self._device.known_tokens(chunk.key), self._host.known_tokens(chunk.key)]
+        for fetch in (self._fetching.get(chunk.key), self._warming.get(chunk.key)):
+            known.append(fetch.token_ids if fetch is not None else None)
         return any(tokens is not None and tokens != chunk.token_ids for tokens in known)
 
     def hold(self, keys: Iterable[KvKey]) -> None:
@@ -265,9 +279,10 @@ class NodeCacheDirectory:
         if victims is None:
             return False
         self._device.evict(victims)
+        self.touch(chunk.key for chunk in unique if self._host.holds(chunk))  # read from the host tier now
         keep_on_host = []
         for chunk, size in zip(unique, sizes, strict=True):
-            fetch = _Fetch(size, chunk.token_ids, now + wait_s, next(self._fetch_ids))
+            fetch = _Fetch(size, chunk.token_ids, now, now + wait_s, next(self._fetch_ids))
             self._fetching[chunk.key] = fetch
             self._device.reserve(chunk.key, _Resident(size, chunk.token_ids))
             if self._reserve_on_host(chunk, size):
@@ -275,10 +290,30 @@ class NodeCacheDirectory:
         self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s, frozenset(keep_on_host)))
         return True
 
+    def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> int:
+        """Orders those of `chunks` that neither tier holds nor anyone fetches brought into every rank's host tier
+        only, as many as fit its free room (a warm-up evicts nothing); returns how many were ordered."""
+        ordered = []
+        for chunk in {chunk.key: chunk for chunk in chunks}.values():
+            if (chunk.key in self._fetching or chunk.key in self._warming or self._device.holds(chunk)
+                    or self._host.known_tokens(chunk.key) is not None):
+                continue
+            size = len(chunk.token_ids) * self.bytes_per_token
+            if self._host.bytes + size > self._host.budget_bytes:
+                break
+            self._host.reserve(chunk.key, _Resident(size, chunk.token_ids))
+            self._warming[chunk.key] = _Fetch(size, chunk.token_ids, now, now + wait_s, next(self._fetch_ids))
+            ordered.append(chunk)
+        if ordered:
+            self._prefetches.append(PrefetchSpec(user_id, tuple(ordered), wait_s,
+                                                 frozenset(chunk.key for chunk in ordered), to_device=False))
+        return len(ordered)
+
     def _reserve_on_host(self, chunk: ChunkLoad, size: int) -> bool:
         if self._host.known_tokens(chunk.key) is not None:
             return False
-        victims = self._host.victims(size, self._host.reserved)
+        # A host-tier chunk a device fetch in flight copies from stays until that fetch settles.
+        victims = self._host.victims(size, self._fetching.keys())
         if victims is None:
             return False
         self._host.evict(victims)
@@ -294,6 +329,20 @@ class NodeCacheDirectory:
                 continue
             del self._fetching[key]
             self._device.settle(key, not fetch.failed)
+            if key not in self._warming:
+                self._host.settle(key, not fetch.failed)
+            if fetch.failed:
+                self._failed_at[key] = fetch.ordered_at
+                if len(self._failed_at) > _MAX_FAILURES_KEPT:  # the oldest half: ordered first
+                    for old in list(self._failed_at)[: _MAX_FAILURES_KEPT // 2]:
+                        del self._failed_at[old]
+            else:
+                self._failed_at.pop(key, None)
+        for key in {*report.warmed, *report.warm_failed}:
+            fetch = self._warming.get(key)
+            if fetch is None or not fetch.settled(report.warmed[key], report.warm_failed[key], self.ranks):
+                continue
+            del self._warming[key]
             self._host.settle(key, not fetch.failed)
 
     def drop(self, keys: Iterable[KvKey]) -> None:

@@ -61,15 +61,23 @@ class KvResidency:
         return [entry for entry in entries if entry is not None]
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], device: torch.device, dtype: torch.dtype,
-              compute_stream: torch.cuda.Stream | None, keep_on_host: Collection[KvKey] = ()) -> FetchCounts:
+              compute_stream: torch.cuda.Stream | None, keep_on_host: Collection[KvKey] = (),
+              to_device: bool = True) -> FetchCounts:
         """Puts every chunk the device tier lacks into it (this rank's heads, on `device` in `dtype`), all or none,
         taking each from the host tier when it holds it and from the KV source otherwise; those of `keep_on_host`
-        fetched from the source also stay in the host tier. Raises what the source raises, or ValueError for an
+        fetched from the source also stay in the host tier. With `to_device` False, only brings the chunks of
+        `keep_on_host` the host tier lacks into it (a warm-up). Raises what the source raises, or ValueError for an
         entry of another shape or dtype. Thread-safe: fetch threads call it."""
-        wanted = [chunk for chunk in chunks if self.device_tier.get(chunk.key, chunk.token_ids) is None]
+        if to_device:
+            wanted = [chunk for chunk in chunks if self.device_tier.get(chunk.key, chunk.token_ids) is None]
+        else:
+            wanted = [chunk for chunk in chunks if chunk.key in keep_on_host]
         on_host = {chunk.key: entry for chunk in wanted
                    if (entry := self.host_tier.get(chunk.key, chunk.token_ids)) is not None}
         from_source = [chunk for chunk in wanted if chunk.key not in on_host]
+        copied_at = time.perf_counter()
+        copied = self._to_device(list(on_host.values()), device, compute_stream) if to_device else []
+        host_seconds = time.perf_counter() - copied_at
         started = time.perf_counter()
         fetched = self._fetch(user_id, from_source, dtype) if from_source else []
         if len(fetched) != len(from_source):
@@ -81,21 +89,22 @@ class KvResidency:
                 raise ValueError(f"{chunk.key}: fetched KV {tuple(entry.keys.shape)} {entry.keys.dtype} for "
                                  f"{len(entry.token_ids)} token ids; this rank needs {expected} {dtype} for the "
                                  f"chunk's {len(chunk.token_ids)}")
-        pinned = device.type == "cuda"
-        host = {**on_host, **{chunk.key: _on_host(entry, pinned) for chunk, entry in
-                              zip(from_source, fetched, strict=True)}}
+        kept = {chunk.key: _for_host_tier(entry, pinned=device.type == "cuda")
+                for chunk, entry in zip(from_source, fetched, strict=True) if chunk.key in keep_on_host}
+        sourced = [kept.get(chunk.key, entry) for chunk, entry in zip(from_source, fetched, strict=True)]
+        if to_device:
+            copied += self._to_device(sourced, device, compute_stream)
         source_seconds = time.perf_counter() - started
-        copied_at = time.perf_counter()
-        on_device = self._to_device([host[chunk.key] for chunk in wanted], device, compute_stream)
-        copy_seconds = time.perf_counter() - copied_at
-        for chunk in from_source:
-            if chunk.key in keep_on_host:
-                self.host_tier.put(chunk.key, host[chunk.key])
-        for chunk, entry in zip(wanted, on_device, strict=True):
-            self.device_tier.put(chunk.key, entry)
+        for key, entry in kept.items():
+            self.host_tier.put(key, entry)
+        if to_device:
+            host_chunks = [chunk for chunk in wanted if chunk.key in on_host]  # the order they were copied in
+            for chunk, entry in zip([*host_chunks, *from_source], copied, strict=True):
+                self.device_tier.put(chunk.key, entry)
         return FetchCounts(
-            from_host=len(on_host), host_bytes=sum(entry.nbytes for entry in on_host.values()),
-            host_seconds=copy_seconds, from_source=len(from_source),
+            from_host=len(on_host) if to_device else 0,
+            host_bytes=sum(entry.nbytes for entry in on_host.values()) if to_device else 0,
+            host_seconds=host_seconds, from_source=len(from_source),
             source_bytes=sum(entry.nbytes for entry in fetched), source_seconds=source_seconds)
 
     def _to_device(self, entries: list[CachedKv], device: torch.device,
@@ -115,14 +124,23 @@ class KvResidency:
                         on_device.record_stream(compute_stream)
                     pair.append(on_device)
                 copied.append(CachedKv(pair[0], pair[1], entry.token_ids))
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the thread sleeps on it rather than spin
             done.record(self._copy_stream)
         done.synchronize()  # blocks only this thread: the compute stream keeps running
         return copied
 
 
-def _on_host(entry: CachedKv, pinned: bool) -> CachedKv:
-    """The entry in host memory, page-locked where the device is a GPU (one DMA copy away from it)."""
-    if not pinned or (entry.keys.is_pinned() and entry.values.is_pinned()):
-        return entry
-    return CachedKv(entry.keys.pin_memory(), entry.values.pin_memory(), entry.token_ids)
+def _for_host_tier(entry: CachedKv, pinned: bool) -> CachedKv:
+    """The entry as the host tier keeps it: its own compact storage (a view would keep its whole base alive), and
+    page-locked where the device is a GPU (one DMA copy away from it)."""
+    keys, values = (_compact(tensor) for tensor in (entry.keys, entry.values))
+    if pinned:
+        keys = keys if keys.is_pinned() else keys.pin_memory()
+        values = values if values.is_pinned() else values.pin_memory()
+    return CachedKv(keys, values, entry.token_ids)
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

@@ -54,6 +54,9 @@ Every way a synchronous load could be refused or diverge, and what closes it her
 16. A partial load (the miss policy's or for lack of room): it claims the chunks before the first one not
    resident, which it holds like any load's; the rest of the prompt is vLLM's to prefill, and the chunks it did not
    claim are fetched without anyone waiting for them.
+17. A warm-up (the plan's signed list of the user's next facts): fetched into the host tier only, into its free
+   room, never loaded on its account; a later request loads such a chunk only where its own plan names it, after a
+   host-to-device copy that settles like any prefetch.
 
 Runs in vLLM's EngineCore process on the scheduler's thread; nothing here touches the network or the device.
 """
@@ -73,7 +76,16 @@ from inference_node.connector.miss_policy import MissPolicy
 from inference_node.connector.node_cache import NodeCacheDirectory
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import KvHeadShard
-from inference_node.plan import NO_PREFIX, ChunkLoad, PlanSigner, ProvenPrefix, plan_secret_from_env, provable_prefix
+from inference_node.plan import (
+    NO_PREFIX,
+    ChunkLoad,
+    LoadPlan,
+    PlanSigner,
+    ProvenPrefix,
+    plan_secret_from_env,
+    provable_prefix,
+    warm_up_chunks,
+)
 from inference_node.settings import NodeSettings
 from inferscale_kv.kv_key import KvKey
 from inferscale_kv.shape import KvShape
@@ -90,6 +102,8 @@ logger = init_logger(__name__)
 PREFETCH_GRACE_S = 2.0
 # Sent loads are remembered this many steps, so that failed blocks reported later find their load.
 _RECENT_STEPS = 8
+# A chunk whose fetch failed is not fetched again in the background (for nobody waiting) within this long.
+BACKGROUND_RETRY_S = 30.0
 
 
 @dataclass
@@ -122,11 +136,14 @@ class InferScaleScheduler:
         tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
                                              _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size),
-                                             tensor_parallel_size, settings.host_tier_mb << 20)
+                                             tensor_parallel_size, (settings.host_tier_mb or 0) << 20)
         self._miss_policy = MissPolicy(settings.kv_miss_policy, vllm_config.device_config.device_type == "cuda")
         self._partial: set[str] = set()  # requests the policy (or the lack of room) serves with their resident prefix
-        self._step_started: float | None = None  # when the last step's metadata was built (its prefill throughput)
-        self._step_tokens = 0
+        # Steps built and not yet output, oldest first (when built, tokens scheduled), and when the last output came:
+        # a step's forward runs from the later of its build and the previous step's output (vLLM's async scheduling
+        # builds step N+1 before step N's output), to its own output.
+        self._steps: deque[tuple[float, int]] = deque()
+        self._last_output: float | None = None
         self._proofs: dict[str, ProvenPrefix] = {}  # request id -> what its plan proves of its prompt
         self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last answer
         self._admissions: dict[str, _Admission] = {}
@@ -148,8 +165,17 @@ class InferScaleScheduler:
                 self._refuse(request, "LoRA request (fact KV is the base model's)")
             else:
                 proof = provable_prefix(request.prompt_token_ids or [], verified[0], self.profile_id)
+                self._warm_up(request, verified[0])
         self._proofs[request.request_id] = proof
         return proof
+
+    def _warm_up(self, request: Request, plan: LoadPlan) -> None:
+        """Orders the plan's signed warm-up (the user's next facts) into the host tier: once per request, into its
+        free room only, on a fetch thread of its own (never in front of a request's fetch)."""
+        chunks = warm_up_chunks(self._signer.verified_warm_up(request.kv_transfer_params), plan, self.profile_id)
+        if chunks:
+            self._stats.add("warmed_chunks", self._directory.warm(plan.user_id, chunks, self._clock(),
+                                                                  self._fetch_wait_s))
 
     def _refuse(self, request: Request, why: str) -> None:
         self._stats.add("plans_refused")
@@ -232,9 +258,11 @@ class InferScaleScheduler:
         """The end of the request's resident prefix (it holds the chunks before it, all resident), ordering the
         missing chunks nobody fetches yet into the node cache in the background, where they fit."""
         self._hold(admission, [chunk for chunk in chunks if chunk.offset < first_missing])
-        to_fetch = [chunk for chunk in missing if self._directory.fetch_id(chunk.key) is None]
+        now = self._clock()
+        to_fetch = [chunk for chunk in missing if self._directory.fetch_id(chunk.key) is None
+                    and not self._directory.recently_failed(chunk.key, now, BACKGROUND_RETRY_S)]
         if to_fetch:
-            self._directory.prefetch(proof.user_id, to_fetch, self._clock(), self._fetch_wait_s)
+            self._directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s)
         return min(proof.end, first_missing)
 
     def _fall_back(self, request: Request, why: str) -> None:
@@ -260,7 +288,13 @@ class InferScaleScheduler:
             self._forget(request.request_id)
             return
         proof = self._proof(request)
-        start = computed if computed is not None else proof.end - num_external_tokens
+        if computed is None:  # vLLM allocated without asking first: nothing here proves where a load would start
+            logger.error("InferScale defect: request %s was allocated %d external tokens it was never answered; "
+                         "nothing is loaded", request.request_id, num_external_tokens)
+            self._pending.pop(request.request_id, None)
+            self._forget(request.request_id)
+            return
+        start = computed
         end = start + num_external_tokens
         # Those before `start` are in vLLM's prefix cache, those from `end` on (a partial load) vLLM prefills.
         chunks = tuple(chunk for chunk in proof.chunks_from(start) if chunk.offset < end)
@@ -279,8 +313,7 @@ class InferScaleScheduler:
                 self._stats.add("async_loads")
             self._forget(spec.request_id)
         self._recent.append(loads)
-        self._step_started = self._clock()
-        self._step_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        self._steps.append((self._clock(), getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
         return InferScaleConnectorMetadata(evictions=self._directory.take_evictions(),
                                            host_evictions=self._directory.take_host_evictions(), loads=loads,
                                            prefetches=self._directory.take_prefetches())
@@ -288,9 +321,12 @@ class InferScaleScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Settles the prefetches the workers report, and stops trusting the chunks of a load some worker failed
         (a defect: vLLM fails that request under kv_load_failure_policy="fail")."""
-        if self._step_started is not None:
-            self._miss_policy.observe_step(self._step_tokens, self._clock() - self._step_started)
-            self._step_started = None
+        now = self._clock()
+        if self._steps:
+            built, tokens = self._steps.popleft()
+            started = built if self._last_output is None else max(built, self._last_output)
+            self._miss_policy.observe_step(tokens, now - started)
+        self._last_output = now
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, PrefetchReport):
             self._directory.settle(report)

@@ -61,6 +61,7 @@ class InferScaleWorker:
                                       shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
         self._fetcher: ThreadPoolExecutor | None = None
+        self._warmer: ThreadPoolExecutor | None = None
         self._prefetching: list[tuple[PrefetchSpec, Future[FetchCounts]]] = []
         self._failed_blocks: set[int] = set()
         self._stats = LoadStats()
@@ -104,15 +105,24 @@ class InferScaleWorker:
         future: Future[FetchCounts]
         try:
             device = _layer_cache(next(iter(self._attention_layers(forward_context).values()))).device
-            if self._fetcher is None:
-                self._fetcher = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="inferscale-fetch")
             compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            future = self._fetcher.submit(self._fetch, spec, time.monotonic() + spec.start_within_s, device,
-                                          compute_stream)
+            future = self._executor(spec).submit(self._fetch, spec, time.monotonic() + spec.start_within_s, device,
+                                                 compute_stream)
         except Exception as exc:  # reported as a failed prefetch
             future = Future()
             future.set_exception(exc)
         self._prefetching.append((spec, future))
+
+    def _executor(self, spec: PrefetchSpec) -> ThreadPoolExecutor:
+        """The fetch threads for what a request waits for or its next request needs; one thread of its own for
+        warm-ups, so that they never hold a fetch thread a request waits for."""
+        if not spec.to_device:
+            if self._warmer is None:
+                self._warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferscale-warm")
+            return self._warmer
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="inferscale-fetch")
+        return self._fetcher
 
     def _fetch(self, spec: PrefetchSpec, start_by: float, device: torch.device,
                compute_stream: torch.cuda.Stream | None) -> FetchCounts:
@@ -121,7 +131,7 @@ class InferScaleWorker:
         if time.monotonic() > start_by:
             raise TimeoutError(f"no fetch thread free within {spec.start_within_s:.1f} s")
         return self._residency.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream,
-                                     spec.keep_on_host)
+                                     spec.keep_on_host, spec.to_device)
 
     def build_worker_meta(self) -> PrefetchReport | None:
         """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""
@@ -130,15 +140,17 @@ class InferScaleWorker:
             if not future.done():
                 running.append((spec, future))
                 continue
-            keys = [chunk.key for chunk in spec.chunks]
+            keys = [chunk.key for chunk in spec.chunks] if spec.to_device else list(spec.keep_on_host)
+            settled, failed = (report.fetched, report.failed) if spec.to_device else (report.warmed,
+                                                                                        report.warm_failed)
             try:
                 counts = future.result()
             except Exception as exc:
                 logger.warning("InferScale: prefetch of %d chunks of user %s failed (%r); requests waiting for them "
                                "are prefilled", len(keys), spec.user_id, exc)
-                report.failed.update(keys)
+                failed.update(keys)
                 continue
-            report.fetched.update(keys)
+            settled.update(keys)
             self._count_transfers(counts, report)
         self._prefetching = running
         return None if report.is_empty() else report
@@ -168,8 +180,9 @@ class InferScaleWorker:
         return stats
 
     def shutdown(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._fetcher, self._warmer):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ loading
 

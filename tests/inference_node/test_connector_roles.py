@@ -15,7 +15,7 @@ from inference_node.__main__ import within_gpu_memory_budget
 from inference_node.connector import check_supported
 from inference_node.connector.metadata import InferScaleConnectorMetadata, PrefetchReport
 from inference_node.connector.miss_policy import MissPolicy
-from inference_node.connector.scheduler import PREFETCH_GRACE_S, InferScaleScheduler
+from inference_node.connector.scheduler import BACKGROUND_RETRY_S, PREFETCH_GRACE_S, InferScaleScheduler
 from inference_node.plan import PLAN_SECRET_ENV, ChunkLoad, LoadPlan, PlanFact, PlanHeader, PlanSigner
 from inference_node.settings import NodeSettings
 from inferscale_kv.kv_key import KvKey, content_id
@@ -448,3 +448,70 @@ def test_the_miss_policy_weighs_each_tiers_measured_bandwidth_against_measured_p
     assert not policy.decide(0, 86 << 20, 700).wait
     assert MissPolicy("wait", on_gpu=True).decide(0, 1 << 40, 1).wait
     assert not MissPolicy("best-effort", on_gpu=True).decide(0, 0, 1 << 20).wait
+
+
+def test_a_signed_warm_up_is_ordered_into_the_host_tier_once_and_a_forged_one_never(monkeypatch, clock) -> None:
+    scheduler = _scheduler(monkeypatch, clock, host_tier_mb=1)
+    warm = (PlanFact("g", 1, content_id(PROFILE, HEADER, list(OTHER_FACT)), OTHER_FACT),)
+    request = _request("r1")
+    request.kv_transfer_params = SIGNER.sign(_plan(), warm).kv_transfer_params
+    _, metadata = _step(scheduler, request)
+    (warm_spec,) = [spec for spec in metadata.prefetches if not spec.to_device]
+    assert [chunk.token_ids for chunk in warm_spec.chunks] == [OTHER_FACT] and warm_spec.keep_on_host
+    assert _stats(scheduler).get("warmed_chunks") == 1
+    _, metadata = _step(scheduler, request)  # asked again: ordered once
+    assert not [spec for spec in metadata.prefetches if not spec.to_device]
+    forged = _request("r2")
+    forged.kv_transfer_params = SIGNER.sign(_plan(), warm).kv_transfer_params
+    forged.kv_transfer_params["inferscale"]["warm"][0]["fact_id"] = "h"  # altered after signing
+    _, metadata = _step(scheduler, forged)
+    assert not [spec for spec in metadata.prefetches if not spec.to_device]
+    other = PlanSigner(b"o" * 32)  # another node's secret
+    foreign = _request("r3")
+    foreign.kv_transfer_params = {"inferscale": {**SIGNER.sign(_plan()).kv_transfer_params["inferscale"],
+                                                 **{k: v for k, v in other.sign(_plan(), warm).kv_transfer_params[
+                                                     "inferscale"].items() if k.startswith("warm")}}}
+    _, metadata = _step(scheduler, foreign)
+    assert not [spec for spec in metadata.prefetches if not spec.to_device]
+
+
+def test_a_chunk_whose_background_fetch_failed_is_not_fetched_again_at_once(monkeypatch, clock) -> None:
+    """Review of issue 41: every request of a user served with its resident prefix ordered the chunk the service
+    could not give again, each time evicting others' chunks to make room for it."""
+    scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="best-effort")
+    request = _with_header_resident(scheduler)
+    _, metadata = _step(scheduler, request)
+    _settle(scheduler, metadata, failed=True)
+    nxt = _request("r2", plan=_plan(fact=OTHER_FACT), prompt=HEADER + list(OTHER_FACT) + [99])
+    answers, metadata = _step(scheduler, nxt)
+    assert answers == {"r2": len(HEADER)} and not metadata.prefetches
+    clock.now += BACKGROUND_RETRY_S + 1
+    answers, metadata = _step(scheduler, _request("r3", plan=_plan(fact=OTHER_FACT),
+                                                  prompt=HEADER + list(OTHER_FACT) + [99]))
+    assert len(metadata.prefetches) == 1
+
+
+def test_a_steps_prefill_time_runs_from_the_later_of_its_build_and_the_previous_output(monkeypatch, clock) -> None:
+    """Review of issue 41: under vLLM's async scheduling step N+1 is built before step N's output; pairing the last
+    build with the next output timed a decode step's tail against the next step's prefill tokens."""
+    scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="auto")
+    prior = scheduler._miss_policy.prefill_tokens.per_second
+    observed = []
+    monkeypatch.setattr(scheduler._miss_policy, "observe_step", lambda tokens, seconds: observed.append(
+        (tokens, round(seconds, 6))))
+    scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=128))  # step 1 built at 0
+    clock.now = 0.001
+    scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=10_000))  # step 2 built early
+    clock.now = 0.1
+    scheduler.update_connector_output(_connector_output(None, set()))  # step 1's output
+    clock.now = 1.1
+    scheduler.update_connector_output(_connector_output(None, set()))  # step 2's
+    assert observed == [(128, 0.1), (10_000, 1.0)] and prior == scheduler._miss_policy.prefill_tokens.per_second
+
+
+def test_an_allocation_never_asked_for_loads_nothing(scheduler) -> None:
+    """Review of issue 41: an allocation without an answer before it guessed the load's start from the plan's end;
+    it now fails closed."""
+    request = _request("r1")
+    scheduler.update_state_after_alloc(request, _blocks(0, 1, 2), MEMORY)
+    assert scheduler.build_connector_meta(_NO_OUTPUT).loads == []

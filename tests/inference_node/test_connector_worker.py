@@ -268,6 +268,22 @@ def test_a_chunk_evicted_from_the_device_tier_comes_back_from_the_host_tier_not_
     assert _report_of(worker).fetched and len(source.threads) == 2  # gone from both tiers: from the source
 
 
+def test_a_warm_up_puts_chunks_in_the_host_tier_only(layers) -> None:
+    synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
+    source = _Source(lambda chunks: synthetic.fetch("u1", chunks, torch.float32))
+    worker = _worker_with(source)
+    keys = frozenset(chunk.key for chunk in CHUNKS)
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[
+        PrefetchSpec("u1", CHUNKS, keep_on_host=keys, to_device=False)]), _forward_context(layers))
+    report = _report_of(worker)
+    assert report.warmed == Counter(keys) and not report.fetched
+    _load(worker, layers, "r1")  # not in the device tier: a declared load would be a defect
+    assert worker.take_failed_blocks() == {5, 6}
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[PrefetchSpec("u1", CHUNKS)]),
+                         _forward_context(layers))
+    assert _report_of(worker).fetched and len(source.threads) == 1  # then one copy away
+
+
 def _report_of(worker: InferScaleWorker) -> PrefetchReport:
     deadline = time.monotonic() + 30
     while (report := worker.build_worker_meta()) is None and time.monotonic() < deadline:

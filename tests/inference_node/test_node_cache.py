@@ -132,7 +132,7 @@ def test_a_fetched_chunk_stays_on_the_host_tier_after_its_device_eviction() -> N
     directory = NodeCacheDirectory(budget_bytes=100, bytes_per_token=10, host_budget_bytes=1000)
     assert directory.prefetch("u", [_chunk(0)], now=0.0, wait_s=1.0)
     (spec,) = directory.take_prefetches()
-    assert spec.keep_on_host == {_key(0)}
+    assert spec.keep_on_host == {_key(0)} and spec.to_device
     directory.settle(_report(0))
     assert directory.is_resident(_chunk(0)) and directory.is_on_host(_chunk(0))
     _fetched(directory, 1)  # the device tier holds one chunk: 0 leaves it, not the host tier
@@ -157,3 +157,37 @@ def test_the_host_tier_evicts_its_least_recently_used_and_a_failed_fetch_leaves_
     directory.drop([_key(2)])  # a failed load: no longer trusted in either tier
     assert not directory.is_on_host(_chunk(2)) and directory.take_host_evictions() == (_key(2),)
 
+
+def test_a_warm_up_fills_the_host_tier_only_and_never_the_device_tier() -> None:
+    directory = NodeCacheDirectory(budget_bytes=100, bytes_per_token=10, host_budget_bytes=300)
+    _fetched(directory, 0)
+    directory.take_prefetches()
+    assert directory.warm("u", [_chunk(0), _chunk(1), _chunk(2), _chunk(3)], now=0.0, wait_s=1.0) == 2
+    (spec,) = directory.take_prefetches()  # 0 is on the host already; free room for two more, and it evicts nothing
+    assert not spec.to_device and spec.keep_on_host == {_key(1), _key(2)}
+    assert directory.take_evictions() == () and directory.take_host_evictions() == ()
+    directory.settle(PrefetchReport(warmed=Counter({_key(1): 1})))
+    assert directory.is_on_host(_chunk(1)) and not directory.is_resident(_chunk(1))
+    assert directory.warm("u", [_chunk(1)], now=0.0, wait_s=1.0) == 0  # nothing twice
+
+
+def test_a_host_tier_chunk_a_device_fetch_copies_from_is_not_evicted_under_it() -> None:
+    """Review of issue 41: another prefetch's host reservation evicted, in the same step, the host-tier chunk a
+    device fetch had just been ordered to copy from (workers apply evictions first: it came from the service)."""
+    directory = NodeCacheDirectory(budget_bytes=200, bytes_per_token=10, host_budget_bytes=300)
+    for fact in range(3):
+        _fetched(directory, fact)  # on the host: 0, 1, 2; on the device: 1, 2
+    directory.take_host_evictions()
+    assert directory.is_on_host(_chunk(0)) and not directory.is_resident(_chunk(0))
+    assert directory.prefetch("u", [_chunk(0)], now=0.0, wait_s=1.0)  # copied from the host tier
+    assert directory.prefetch("u", [_chunk(3)], now=0.0, wait_s=1.0)  # needs host room: not 0's
+    assert _key(0) not in directory.take_host_evictions()
+
+
+def test_a_failed_fetch_is_remembered_for_a_while() -> None:
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10)
+    assert directory.prefetch("u", [_chunk(0)], now=100.0, wait_s=1.0)
+    directory.settle(_report(0, failed=True))
+    assert directory.recently_failed(_key(0), 120.0, 30.0) and not directory.recently_failed(_key(0), 131.0, 30.0)
+    _fetched(directory, 0)
+    assert not directory.recently_failed(_key(0), 120.0, 30.0)

@@ -19,7 +19,7 @@ from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_varia
 # Every flag of the node's own and its default but --node-id's (the host name), as operators' manifests know them.
 PUBLISHED_FLAGS = {
     "--memory-service": "127.0.0.1:50051", "--model": None, "--kv-dtype": "float32", "--context-window": 50,
-    "--model-name": None, "--node-cache-mb": 0, "--host-tier-mb": 0, "--kv-miss-policy": "auto",
+    "--model-name": None, "--node-cache-mb": 0, "--host-tier-mb": None, "--kv-miss-policy": "auto", "--warm-facts": 50,
     "--memory-top-k": 20, "--synchronous-loads": "auto",
     "--kv-crossover-tokens": "measured", "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0,
     "--fetch-timeout-s": 10.0, "--load-stats-path": "", "--embed-queries-locally": False,
@@ -36,7 +36,7 @@ def test_the_flags_and_their_defaults_are_the_published_ones(monkeypatch: pytest
 def test_every_flag_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_each_flag_reads_its_variable(build_parser, monkeypatch, samples={
         "--kv-dtype": "bfloat16", "--synchronous-loads": "off", "--node-id": "node-7", "--kv-crossover-tokens": "120",
-        "--kv-miss-policy": "best-effort"})
+        "--kv-miss-policy": "best-effort", "--host-tier-mb": ("64", 64)})
 
 
 def test_node_settings_take_their_defaults_from_the_flags_declaration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,4 +142,24 @@ def test_a_missing_model_folder_is_refused_naming_the_flag(tmp_path) -> None:
 def test_a_vllm_flag_that_begins_like_one_of_the_nodes_goes_to_vllm() -> None:
     """Regression: argparse took `--host` for an abbreviation of the node's `--host-tier-mb`."""
     parsed, vllm_args = build_parser().parse_known_args(["--host", "0.0.0.0", "--port", "8000"])
-    assert vllm_args == ["--host", "0.0.0.0", "--port", "8000"] and parsed.host_tier_mb == 0
+    assert vllm_args == ["--host", "0.0.0.0", "--port", "8000"] and parsed.host_tier_mb is None
+
+
+def test_the_tiers_default_sizes_follow_the_device_the_host_and_the_ranks(tmp_path) -> None:
+    gib = 1 << 30
+    # An 80 GiB GPU at 0.85 with 16 GiB of weights: a quarter of the 52 GiB left.
+    assert node_main.default_node_cache_mb(80 * gib, 0.85, 16 * gib) == int(0.25 * (0.85 * 80 - 16) * 1024)
+    assert node_main.default_node_cache_mb(80 * gib, 0.2, 16 * gib) == node_main.MIN_NODE_CACHE_MB
+    assert node_main.default_node_cache_mb(None, 0.9, 0) == node_main.CPU_NODE_CACHE_MB
+    # A quarter of the host, shared by the ranks (review of issue 41: each rank pinned the whole quarter), at most
+    # 64 GiB in all; none on a CPU node, whose device tier is host memory already.
+    assert node_main.default_host_tier_mb(128 * gib, 80 * gib, 1) == 32 * 1024
+    assert node_main.default_host_tier_mb(128 * gib, 80 * gib, 4) == 8 * 1024
+    assert node_main.default_host_tier_mb(560 * gib, 80 * gib, 8) == 8 * 1024
+    assert node_main.default_host_tier_mb(128 * gib, None, 1) == 0
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 100)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"w" * 100)  # the same weights again: not counted twice
+    (tmp_path / "training_args.bin").write_bytes(b"t" * 7)
+    assert node_main.weights_bytes(tmp_path) == 100
+    (tmp_path / "model.safetensors").unlink()
+    assert node_main.weights_bytes(tmp_path) == 100

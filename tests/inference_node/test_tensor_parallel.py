@@ -72,7 +72,8 @@ def _residency(memory_service, model_dir, shard: KvHeadShard) -> KvResidency:
     settings = NodeSettings(memory_service=memory_service.address, node_id=f"tp-rank-{shard.rank}",
                             model_dir=str(model_dir))
     config = AutoConfig.from_pretrained(model_dir)
-    return KvResidency(NodeKvCache(), kv_source(settings, config, shard), shard.of(KvShape.from_config(config)))
+    return KvResidency(NodeKvCache(), NodeKvCache(), kv_source(settings, config, shard),
+                       shard.of(KvShape.from_config(config)))
 
 
 def test_each_rank_fetches_and_composes_exactly_its_heads_of_the_tp1_composition(
@@ -83,7 +84,7 @@ def test_each_rank_fetches_and_composes_exactly_its_heads_of_the_tp1_composition
 
     def composed(shard: KvHeadShard) -> tuple[torch.Tensor, torch.Tensor]:
         residency = _residency(node_memory_service, tiny_llama_dir, shard)
-        assert residency.fetch(USER, staged_facts, cpu, torch.float32, None) == len(staged_facts)
+        assert residency.fetch(USER, staged_facts, cpu, torch.float32, None).from_source == len(staged_facts)
         slices = [ChunkSlice(e.keys, e.values, 0, len(e.token_ids)) for e in residency.resident(staged_facts)]
         return compose_prefix(slices, 5, tables.cos.float(), tables.sin.float(), config.num_hidden_layers,
                               fused=False)
@@ -103,4 +104,4 @@ def test_a_rank_caches_only_its_share_of_the_bytes(node_memory_service, tiny_lla
     half = _residency(node_memory_service, tiny_llama_dir, KvHeadShard(1, 2))
     for residency in (whole, half):
         residency.fetch(USER, staged_facts, torch.device("cpu"), torch.float32, None)
-    assert half.cache.bytes_used * 2 == whole.cache.bytes_used > 0
+    assert half.device_tier.bytes_used * 2 == whole.device_tier.bytes_used > 0

@@ -23,14 +23,16 @@ def flag_defaults(build_parser: Callable[[], OptionParser], monkeypatch: pytest.
 
 
 def assert_each_flag_reads_its_variable(build_parser: Callable[[], OptionParser], monkeypatch: pytest.MonkeyPatch,
-                                        samples: dict[str, str]) -> None:
+                                        samples: dict[str, str | tuple[str, object]]) -> None:
     """Sets each flag's variable (the prefix, then the flag's name in upper snake case) to another value than the
-    default (`samples` for flags with choices) and checks that the flag takes it."""
+    default (`samples` for flags with choices or no default: the text, or the text and the value it reads as) and
+    checks that the flag takes it."""
     for flag, default in flag_defaults(build_parser, monkeypatch).items():
         variable = build_parser().env_prefix + flag[2:].replace("-", "_").upper()
         expected: object
         if flag in samples:
-            text, expected = samples[flag], samples[flag]
+            sample = samples[flag]
+            text, expected = sample if isinstance(sample, tuple) else (sample, sample)
         elif isinstance(default, bool):
             text, expected = "true", True
         elif isinstance(default, int | float):
