@@ -39,7 +39,7 @@ from inference_node.memory_request import (
     question_of,
 )
 from inference_node.placement import MemoryPlacement
-from inference_node.plan import strip_client_plans
+from inference_node.plan import LOAD_OUTCOME_KEY, strip_client_plans
 from inference_node.retrieval import Dropped, MemoryRetriever
 from inference_node.settings import NodeSettings
 
@@ -136,11 +136,20 @@ class MemoryMiddleware:
         summary: dict[str, Any] = {"mode": memory.mode}
         members = await self._add_memory(payload, path, memory, question, summary) if memory.mode != "off" else {}
         rewritten = _json_with(payload, members)
-        summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
+        # A non-streamed answer with a load plan holds what became of its memory (the connector's request_finished,
+        # in kv_transfer_params): the summary waits for its body to say so.
+        awaits_outcome = "kv_transfer_params" in members and not payload.get("stream")
+        held: list[Message] = []
 
         async def send_with_summary(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
+                if awaits_outcome:
+                    held.append(message)
+                    return
+                message = _with_summary(message, summary)
+            elif held and message["type"] == "http.response.body":
+                outcome = None if message.get("more_body") else load_outcome(message.get("body", b""))
+                await send(_with_summary(held.pop(), {**summary, **(outcome or {})}))
             await send(message)
 
         return *_rewritten(scope, rewritten, receive), send_with_summary
@@ -155,6 +164,27 @@ class MemoryMiddleware:
             summary.update(retrieved.summary_fields())
             return {}
         return self._placement.place(payload, path, memory, retrieved, summary)
+
+
+def _with_summary(start: Message, summary: dict[str, Any]) -> Message:
+    summary_bytes = json.dumps(summary, separators=(",", ":")).encode()
+    return {**start, "headers": [*start.get("headers", []), (SUMMARY_HEADER, summary_bytes)]}
+
+
+def load_outcome(body: bytes) -> dict[str, Any] | None:
+    """The summary's fields for what the connector says became of the memory (`load`: resident, waited, partial,
+    prefix_cache or prefilled; `tokens_loaded`), read from vLLM's answer's kv_transfer_params; None if it says
+    nothing."""
+    if LOAD_OUTCOME_KEY.encode() not in body:
+        return None
+    try:
+        said = json.loads(body).get("kv_transfer_params", {}).get(LOAD_OUTCOME_KEY, {})
+    except (ValueError, AttributeError):
+        return None
+    if not (isinstance(said, dict) and isinstance(said.get("outcome"), str)
+            and isinstance(said.get("tokens_loaded"), int)):
+        return None
+    return {"load": said["outcome"], "tokens_loaded": said["tokens_loaded"]}
 
 
 async def _read_body(receive: Callable) -> bytes:

@@ -34,6 +34,8 @@ from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, K
 
 PLAN_SECRET_ENV = "INFERSCALE_NODE_PLAN_SECRET"
 PARAMS_KEY = "inferscale"
+# The key under which the connector answers, in a response's kv_transfer_params, what became of its memory.
+LOAD_OUTCOME_KEY = "inferscale_load"
 PLAN_VERSION = 1
 # Cache salts in this namespace are set by the middleware only (signed); a client's are removed.
 RESERVED_SALT_PREFIX = "isk-"

@@ -29,7 +29,9 @@ and what closes it):
   network (prefetches run on fetch threads; the engine thread polls them). A load that fails anyway reports its
   blocks through `get_block_ids_with_load_errors`, and with kv_load_failure_policy="fail" vLLM fails that request
   with an error instead of recomputing it.
-- `request_finished` (scheduler): drops the request's state and holds; never delays freeing blocks.
+- `request_finished` (scheduler): drops the request's state and holds; never delays freeing blocks; returns what
+  became of the request's memory (loaded, waited, partial, prefix cache, prefilled), which vLLM puts in the
+  response's `kv_transfer_params` and the middleware in `x-inferscale-memory`.
 """
 
 from __future__ import annotations
@@ -123,8 +125,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._scheduler_role.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_role.request_finished(request)
-        return False, None
+        return False, self._scheduler_role.request_finished(request)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LoadStats | None:

@@ -77,6 +77,7 @@ from inference_node.connector.node_cache import NodeCacheDirectory
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import KvHeadShard
 from inference_node.plan import (
+    LOAD_OUTCOME_KEY,
     NO_PREFIX,
     ChunkLoad,
     LoadPlan,
@@ -104,6 +105,19 @@ PREFETCH_GRACE_S = 2.0
 _RECENT_STEPS = 8
 # A chunk whose fetch failed is not fetched again in the background (for nobody waiting) within this long.
 BACKGROUND_RETRY_S = 30.0
+
+
+# What became of a request's memory (request_finished's answer, which vLLM puts in the response's
+# kv_transfer_params and the middleware in x-inferscale-memory): loaded from the device tier at once (resident), after
+# waiting for its chunks (waited), its resident prefix only with the rest prefilled (partial), nothing to load because
+# vLLM's prefix cache held it (prefix_cache), or prefilled after a failed or refused load (prefilled).
+RESIDENT, WAITED, PARTIAL, PREFIX_CACHE, PREFILLED = "resident", "waited", "partial", "prefix_cache", "prefilled"
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    how: str
+    tokens_loaded: int = 0
 
 
 @dataclass
@@ -139,6 +153,7 @@ class InferScaleScheduler:
                                              tensor_parallel_size, (settings.host_tier_mb or 0) << 20)
         self._miss_policy = MissPolicy(settings.kv_miss_policy, vllm_config.device_config.device_type == "cuda")
         self._partial: set[str] = set()  # requests the policy (or the lack of room) serves with their resident prefix
+        self._outcomes: dict[str, LoadOutcome] = {}  # what became of each request's memory so far
         # Steps built and not yet output, oldest first (when built, tokens scheduled), and when the last output came:
         # a step's forward runs from the later of its build and the previous step's output (vLLM's async scheduling
         # builds step N+1 before step N's output), to its own output.
@@ -179,6 +194,7 @@ class InferScaleScheduler:
 
     def _refuse(self, request: Request, why: str) -> None:
         self._stats.add("plans_refused")
+        self._outcomes[request.request_id] = LoadOutcome(PREFILLED)
         logger.warning("InferScale: request %s: load plan refused (%s); its prompt is prefilled",
                        request.request_id, why)
 
@@ -192,6 +208,8 @@ class InferScaleScheduler:
         proof = self._proof(request)
         self._computed[request.request_id] = num_computed_tokens  # where a load allocated next would start
         if proof.end <= num_computed_tokens:
+            if proof is not NO_PREFIX:
+                self._outcomes.setdefault(request.request_id, LoadOutcome(PREFIX_CACHE))
             self._forget(request.request_id)
             return 0, False
         chunks = proof.chunks_from(num_computed_tokens)
@@ -270,6 +288,7 @@ class InferScaleScheduler:
         self._stats.add("load_failures")
         logger.warning("InferScale: request %s: memory not loaded (%s); its prompt is prefilled",
                        request.request_id, why)
+        self._outcomes[request.request_id] = LoadOutcome(PREFILLED)
         self._proofs[request.request_id] = NO_PREFIX
         self._forget(request.request_id)
 
@@ -309,8 +328,13 @@ class InferScaleScheduler:
         for spec in loads:
             self._directory.touch(chunk.key for chunk in spec.chunks)
             admission = self._admissions.get(spec.request_id)
-            if admission is not None and admission.waited:
+            waited = admission is not None and bool(admission.waited)
+            if waited:
                 self._stats.add("async_loads")
+            how = PARTIAL if spec.request_id in self._partial else WAITED if waited else RESIDENT
+            loaded = self._outcomes.get(spec.request_id)
+            self._outcomes[spec.request_id] = LoadOutcome(
+                how, spec.end - spec.start + (loaded.tokens_loaded if loaded is not None else 0))
             self._forget(spec.request_id)
         self._recent.append(loads)
         self._steps.append((self._clock(), getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
@@ -342,13 +366,19 @@ class InferScaleScheduler:
                              "needed.", spec.request_id)
                 self._directory.drop(chunk.key for chunk in spec.chunks)
 
-    def request_finished(self, request: Request) -> None:
-        """Drops the request's state and holds; a prefetch it started settles on its own."""
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """Drops the request's state and holds (a prefetch it started settles on its own); returns what became of
+        its memory, for the response's kv_transfer_params ({LOAD_OUTCOME_KEY: {"outcome": ..., "tokens_loaded": n}}),
+        or None for a request without a plan."""
+        outcome = self._outcomes.pop(request.request_id, None)
+        if outcome is None and request.request_id in self._partial:
+            outcome = LoadOutcome(PARTIAL)
         self._pending.pop(request.request_id, None)
         self._proofs.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
         self._partial.discard(request.request_id)
         self._forget(request.request_id)
+        return {LOAD_OUTCOME_KEY: {"outcome": outcome.how, "tokens_loaded": outcome.tokens_loaded}} if outcome else None
 
     def take_stats(self) -> LoadStats | None:
         if self._stats.is_empty():

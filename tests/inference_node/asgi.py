@@ -14,10 +14,12 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 class RecordingApp:
-    """Stands in for vLLM behind the middleware: keeps each body it is handed (`bodies`) and answers 200 `{}`."""
+    """Stands in for vLLM behind the middleware: keeps each body it is handed (`bodies`) and answers 200 `answer`
+    (`{}` unless set)."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
+        self.answer = b"{}"
 
     def json(self, index: int = -1) -> Any:
         """The `index`th body it was handed, parsed."""
@@ -26,7 +28,7 @@ class RecordingApp:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         self.bodies.append((await receive())["body"])
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+        await send({"type": "http.response.body", "body": self.answer})
 
 
 @dataclass(frozen=True)

@@ -515,3 +515,30 @@ def test_an_allocation_never_asked_for_loads_nothing(scheduler) -> None:
     request = _request("r1")
     scheduler.update_state_after_alloc(request, _blocks(0, 1, 2), MEMORY)
     assert scheduler.build_connector_meta(_NO_OUTPUT).loads == []
+
+
+def test_the_request_finished_answer_says_what_became_of_the_memory(monkeypatch, clock) -> None:
+    """x-inferscale-memory's `load`: the connector's answer at request_finished, in the response's
+    kv_transfer_params (vLLM puts it there)."""
+    scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="best-effort")
+
+    def finished(request) -> dict:
+        return scheduler.request_finished(request)["inferscale_load"]
+
+    first = _request("r0")
+    _, metadata = _step(scheduler, first)  # nothing resident: its resident prefix is nothing, prefilled
+    assert finished(first) == {"outcome": "partial", "tokens_loaded": 0}
+    _settle(scheduler, metadata)
+    resident = _request("r1")
+    _step(scheduler, resident)
+    assert finished(resident) == {"outcome": "resident", "tokens_loaded": MEMORY}
+    cached = _request("r2")
+    _step(scheduler, cached, local_hit=MEMORY + 1)
+    assert finished(cached) == {"outcome": "prefix_cache", "tokens_loaded": 0}
+    refused = _request("r3", signer=PlanSigner(b"o" * 32))
+    _step(scheduler, refused)
+    assert finished(refused) == {"outcome": "prefilled", "tokens_loaded": 0}
+    plain = SimpleNamespace(request_id="r4", kv_transfer_params=None, prompt_token_ids=PROMPT, cache_salt=None,
+                            lora_request=None)
+    _step(scheduler, plain)
+    assert scheduler.request_finished(plain) is None

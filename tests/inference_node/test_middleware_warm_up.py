@@ -1,6 +1,7 @@
-"""A user's warm-up through the middleware, against a real memory service with real KV (a recording ASGI app stands
-in for vLLM): a user's first kv request asks RetrieveAndStage for --warm-facts more facts, places only its own top_k,
-and signs the rest into the plan as a warm-up the connector verifies; the next request of the user asks for none."""
+"""A user's warm-up and a kv answer's summary through the middleware, against a real memory service with real KV (a
+recording ASGI app stands in for vLLM): a user's first kv request asks RetrieveAndStage for --warm-facts more facts,
+places only its own top_k, and signs the rest into the plan as a warm-up the connector verifies; the next request of
+the user asks for none. A non-streamed kv answer's x-inferscale-memory says what the connector did with the memory."""
 
 from __future__ import annotations
 
@@ -83,3 +84,23 @@ def test_a_text_request_neither_carries_nor_uses_up_a_warm_up(middleware, users_
     assert summary["facts"] == 2 and "kv_transfer_params" not in app.json()
     _ask(node, loop, third)  # the user's first kv request still warms up
     assert len(signer.verified_warm_up(app.json()["kv_transfer_params"])) == 3
+
+
+@pytest.mark.parametrize(("answer", "stream", "said"), [
+    (b'{"choices":[],"kv_transfer_params":{"inferscale_load":{"outcome":"waited","tokens_loaded":120}}}', False,
+     {"load": "waited", "tokens_loaded": 120}),
+    (b'{"choices":[],"kv_transfer_params":{"inferscale_load":{"outcome":"waited","tokens_loaded":120}}}', True, {}),
+    (b'{"choices":[{"text":"inferscale_load"}]}', False, {}),  # in the generated text: not the connector's
+    (b'{"kv_transfer_params":{"inferscale_load":{"outcome":1}}}', False, {}),
+    (b'not json, inferscale_load', False, {}),
+])
+def test_the_summary_of_a_non_streamed_kv_answer_says_what_became_of_its_memory(middleware, users_with_kv, answer,
+                                                                                stream, said) -> None:
+    node, app, loop, _ = middleware
+    app.answer = answer
+    body = {"model": "m", "prompt": "What is the blue door code?", "max_tokens": 1, "stream": stream,
+            "memory": {"user_id": users_with_kv[0], "mode": "kv", "top_k": 2}}
+    response = asgi_request(node, [json.dumps(body).encode()], path="/v1/completions", loop=loop)
+    summary = json.loads(response.headers[b"x-inferscale-memory"])
+    assert response.body == answer and summary["kv_facts"] == 2
+    assert {key: summary[key] for key in ("load", "tokens_loaded") if key in summary} == said

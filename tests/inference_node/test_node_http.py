@@ -226,6 +226,10 @@ def test_a_node_cache_miss_loads_async_and_the_repeat_loads_from_the_node_cache(
         assert kv.summary["kv_facts"] == 1
         assert kv.usage["prompt_tokens_details"]["cached_tokens"] == kv.summary["injectable_tokens"]
         _assert_same_generation(kv, text)
+    # x-inferscale-memory says what the engine did with the memory (the connector's answer at the request's end).
+    assert (first.summary["load"], first.summary["tokens_loaded"]) == ("waited", first.summary["injectable_tokens"])
+    assert (second.summary["load"], second.summary["tokens_loaded"]) == ("resident",
+                                                                         second.summary["injectable_tokens"])
 
 
 def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_service) -> None:
@@ -236,6 +240,7 @@ def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_serv
     kv = complete(node, QUESTION, {"user_id": user("vanishing"), "mode": "kv"})
     text = complete(node, QUESTION, {"user_id": user("vanishing"), "mode": "text"})
     assert kv.summary["kv_facts"] == 1  # the service still listed it as ready
+    assert (kv.summary["load"], kv.summary["tokens_loaded"]) == ("prefilled", 0)
     _assert_same_generation(kv, text)
     # Counted; the async load fails and the re-admitted request is prefilled (it claims nothing again).
     assert _wait_for_count(node, "load_failures", failures_before + 1) >= failures_before + 1
