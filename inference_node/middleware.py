@@ -173,12 +173,16 @@ def _with_summary(start: Message, summary: dict[str, Any]) -> Message:
 
 def load_outcome(body: bytes) -> dict[str, Any] | None:
     """The summary's fields for what the connector says became of the memory (`load`: resident, waited, partial,
-    prefix_cache or prefilled; `tokens_loaded`), read from vLLM's answer's kv_transfer_params; None if it says
-    nothing."""
-    if LOAD_OUTCOME_KEY.encode() not in body:
+    prefix_cache or prefilled; `tokens_loaded`), read from vLLM's answer's kv_transfer_params (its last member: only
+    that object is decoded, not the answer); None if it says nothing."""
+    at = body.rfind(b'"kv_transfer_params"')
+    if at < 0 or LOAD_OUTCOME_KEY.encode() not in body[at:]:
         return None
     try:
-        said = json.loads(body).get("kv_transfer_params", {}).get(LOAD_OUTCOME_KEY, {})
+        text = body[at:].decode()
+        value = text[text.index(":") + 1 :].lstrip()
+        params, _ = json.JSONDecoder().raw_decode(value)
+        said = params.get(LOAD_OUTCOME_KEY)
     except (ValueError, AttributeError):
         return None
     if not (isinstance(said, dict) and isinstance(said.get("outcome"), str)

@@ -27,7 +27,7 @@ from inference_node.settings import WARM_UP_EVERY_S, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
-from inferscale_kv.limits import MAX_MEMORY_TOP_K
+from inferscale_kv.limits import HYBRID_CANDIDATES
 
 DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
 DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
@@ -65,16 +65,16 @@ class WarmUps:
         self._asked: OrderedDict[str, float] = OrderedDict()
 
     def due(self, user_id: str) -> bool:
-        """True, remembering it, if the user's warm-up was not asked within `every_s`."""
-        now = self._clock()
+        """The user's warm-up was not asked within `every_s`."""
         asked = self._asked.get(user_id)
-        if asked is not None and now - asked < self.every_s:
-            return False
-        self._asked[user_id] = now
+        return asked is None or self._clock() - asked >= self.every_s
+
+    def asked(self, user_id: str) -> None:
+        """The user's warm-up was asked (the memory service answered with it)."""
+        self._asked[user_id] = self._clock()
         self._asked.move_to_end(user_id)
         while len(self._asked) > self.capacity:
             self._asked.popitem(last=False)
-        return True
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,7 @@ class MemoryRetriever:
         service refused a value the request on `path` gave."""
         stub = self._connected()
         started = time.perf_counter()
-        warm_facts = 0
-        if memory.mode == "kv" and self.settings.warm_facts and self._warm_ups.due(memory.user_id):
-            warm_facts = max(0, min(self.settings.warm_facts, MAX_MEMORY_TOP_K - memory.top_k))
+        warm_facts = self._warm_facts(memory)
         request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k + warm_facts,
                                              profile=self._profile, node_id=self.settings.node_id,
                                              retrieval=RETRIEVAL_MODES.get(memory.retrieval,
@@ -126,8 +124,14 @@ class MemoryRetriever:
             request.query_vector.extend(vector)
             request.embedding_model_id = model_id
         try:
-            response = await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
-                                                   metadata=self._call_metadata)
+            try:
+                response = await self._call(stub, request)
+            except grpc.aio.AioRpcError as exc:
+                if not (warm_facts and exc.code() in _REFUSAL_CODES and leading_field(exc.details() or "") == "top_k"):
+                    raise
+                # The service's --max-top-k is below the request's top_k and the warm-up: the request's own.
+                request.top_k, warm_facts = memory.top_k, 0
+                response = await self._call(stub, request)
         except grpc.aio.AioRpcError as exc:
             refused = _refused_by_service(exc, path)
             if refused is not None:
@@ -137,9 +141,24 @@ class MemoryRetriever:
             return dropped
         seconds = time.perf_counter() - started
         STAGE_SECONDS.observe(seconds)
+        if warm_facts:
+            self._warm_ups.asked(memory.user_id)
         warm_up = tuple(response.facts[memory.top_k:])
         del response.facts[memory.top_k:]
         return Retrieved(response, seconds, warm_up)
+
+    def _warm_facts(self, memory: MemoryRequest) -> int:
+        """How many facts to ask beyond the request's own for a warm-up: --warm-facts on a kv request of a user not
+        warmed up lately, within HYBRID_CANDIDATES with the request's (the request's own facts then rank as they
+        would alone); 0 otherwise."""
+        if memory.mode != "kv" or not self.settings.warm_facts or not self._warm_ups.due(memory.user_id):
+            return 0
+        return max(0, min(self.settings.warm_facts, HYBRID_CANDIDATES - memory.top_k))
+
+    async def _call(self, stub: memory_pb2_grpc.MemoryServiceStub,
+                    request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
+        return await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
+                                           metadata=self._call_metadata)
 
 
 def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefused | None:

@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
-from inferscale_kv.limits import MAX_MEMORY_TOP_K
+from inferscale_kv.limits import HYBRID_CANDIDATES, MAX_MEMORY_TOP_K
 from inferscale_kv.options import option
 
 SETTINGS_ENV = "INFERSCALE_NODE_SETTINGS"
@@ -51,7 +51,7 @@ class NodeSettings:
     warm_facts: int = option(
         50, help=f"kv mode: on a user's first request to this node in {WARM_UP_EVERY_S:.0f} s, this many more of the "
         "user's facts (the next best for its question) are fetched into the host tier in the background, for the "
-        f"user's next requests (with the request's own, at most {MAX_MEMORY_TOP_K}; 0: none)")
+        f"user's next requests (with the request's own, at most {HYBRID_CANDIDATES}; 0: none)")
     max_top_k: int = MAX_MEMORY_TOP_K  # the largest memory.top_k and recompute_tail_facts (not a flag)
     # kv mode: the m retrieved facts nearest the question are prefilled as text after the injected ones (they then
     # attend to the header and every other fact); a request may ask for another m (memory.recompute_tail_facts).

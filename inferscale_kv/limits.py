@@ -9,3 +9,6 @@ MAX_SEARCH_TOP_K = 1000
 # The largest memory.top_k (and memory.recompute_tail_facts) a request to a node may give: a node's own cap on the
 # facts it puts before one prompt, below MAX_SEARCH_TOP_K so that a memory service at its defaults never refuses it.
 MAX_MEMORY_TOP_K = 200
+# Hybrid retrieval fuses at least this many of each ranking's best facts (more only for a larger top_k): a node asking
+# for a warm-up beyond a request's top_k stays within it, so that the request's own facts rank as they would alone.
+HYBRID_CANDIDATES = 100

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from inferscale_kv.limits import HYBRID_CANDIDATES
 from memory_service.models import ScoredFact
 
 VECTOR_WEIGHT = 0.85
 DATE_MATCH_BONUS = 0.1
-HYBRID_CANDIDATES = 100  # each ranking contributes at least this many of its best facts to the fusion
 SCORE_DECIMALS = 6  # float32 sums of the same terms differ in their last digits with the order of the terms
 
 _MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",

@@ -137,6 +137,18 @@ class _Tier:
                 overflow -= entry.num_bytes
         return victims if overflow <= 0 else None
 
+    def coldest(self, num_bytes: int, eligible: Collection[KvKey]) -> list[KvKey] | None:
+        """The least recently used resident keys, all of `eligible`, to evict for `num_bytes` more (stopping at the
+        first key that is not), or None if they leave too little room."""
+        overflow = self.bytes + num_bytes - self.budget_bytes
+        victims = []
+        for key, entry in self.resident.items():
+            if overflow <= 0 or key not in eligible:
+                break
+            victims.append(key)
+            overflow -= entry.num_bytes
+        return victims if overflow <= 0 else None
+
     def evict(self, keys: Iterable[KvKey]) -> None:
         for key in keys:
             entry = self.resident.pop(key, None)
@@ -148,13 +160,16 @@ class _Tier:
         self.reserved[key] = entry
         self.bytes += entry.num_bytes
 
-    def settle(self, key: KvKey, fetched: bool) -> None:
-        """A reservation ends: resident if every rank fetched it, else gone from every rank."""
+    def settle(self, key: KvKey, fetched: bool, coldest: bool = False) -> None:
+        """A reservation ends: resident if every rank fetched it (the least recently used where `coldest`), else
+        gone from every rank."""
         entry = self.reserved.pop(key, None)
         if entry is None:
             return
         if fetched:
             self.resident[key] = entry
+            if coldest:
+                self.resident.move_to_end(key, last=False)
         else:
             self.bytes -= entry.num_bytes
             self.evictions.append(key)
@@ -185,6 +200,7 @@ class NodeCacheDirectory:
         self._host = _Tier(host_budget_bytes)
         self._fetching: dict[KvKey, _Fetch] = {}  # into the device tier (and the host tier where reserved there)
         self._failed_at: dict[KvKey, float] = {}  # when a fetch of the key last failed (see recently_failed)
+        self._unused_warm: set[KvKey] = set()  # host-tier chunks a warm-up brought that no request used yet
         self._warming: dict[KvKey, _Fetch] = {}  # into the host tier only
         self._holds: Counter[KvKey] = Counter()
         self._prefetches: list[PrefetchSpec] = []
@@ -279,7 +295,9 @@ class NodeCacheDirectory:
         if victims is None:
             return False
         self._device.evict(victims)
-        self.touch(chunk.key for chunk in unique if self._host.holds(chunk))  # read from the host tier now
+        from_host = [chunk.key for chunk in unique if self._host.holds(chunk)]
+        self.touch(from_host)  # read from the host tier now
+        self._unused_warm.difference_update(from_host)
         keep_on_host = []
         for chunk, size in zip(unique, sizes, strict=True):
             fetch = _Fetch(size, chunk.token_ids, now, now + wait_s, next(self._fetch_ids))
@@ -292,15 +310,19 @@ class NodeCacheDirectory:
 
     def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> int:
         """Orders those of `chunks` that neither tier holds nor anyone fetches brought into every rank's host tier
-        only, as many as fit its free room (a warm-up evicts nothing); returns how many were ordered."""
+        only, as many as fit; returns how many were ordered. A warm-up takes free room or the room of warmed chunks
+        no request used yet, never a chunk a request used; warmed chunks enter as the least recently used."""
         ordered = []
         for chunk in {chunk.key: chunk for chunk in chunks}.values():
             if (chunk.key in self._fetching or chunk.key in self._warming or self._device.holds(chunk)
                     or self._host.known_tokens(chunk.key) is not None):
                 continue
             size = len(chunk.token_ids) * self.bytes_per_token
-            if self._host.bytes + size > self._host.budget_bytes:
+            victims = self._host.coldest(size, self._unused_warm - self._fetching.keys())
+            if victims is None:
                 break
+            self._host.evict(victims)
+            self._unused_warm.difference_update(victims)
             self._host.reserve(chunk.key, _Resident(size, chunk.token_ids))
             self._warming[chunk.key] = _Fetch(size, chunk.token_ids, now, now + wait_s, next(self._fetch_ids))
             ordered.append(chunk)
@@ -317,6 +339,7 @@ class NodeCacheDirectory:
         if victims is None:
             return False
         self._host.evict(victims)
+        self._unused_warm.difference_update(victims)
         self._host.reserve(chunk.key, _Resident(size, chunk.token_ids))
         return True
 
@@ -343,7 +366,9 @@ class NodeCacheDirectory:
             if fetch is None or not fetch.settled(report.warmed[key], report.warm_failed[key], self.ranks):
                 continue
             del self._warming[key]
-            self._host.settle(key, not fetch.failed)
+            self._host.settle(key, not fetch.failed, coldest=True)
+            if not fetch.failed:
+                self._unused_warm.add(key)
 
     def drop(self, keys: Iterable[KvKey]) -> None:
         """A synchronous load of these chunks failed in a worker: no longer trusted, evicted from every rank's
@@ -351,6 +376,7 @@ class NodeCacheDirectory:
         keys = list(keys)
         self._device.evict(keys)
         self._host.evict(keys)
+        self._unused_warm.difference_update(keys)
 
     def take_evictions(self) -> tuple[KvKey, ...]:
         return self._device.take_evictions()

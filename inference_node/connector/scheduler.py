@@ -103,6 +103,8 @@ logger = init_logger(__name__)
 PREFETCH_GRACE_S = 2.0
 # Sent loads are remembered this many steps, so that failed blocks reported later find their load.
 _RECENT_STEPS = 8
+# Steps built ahead of their output: vLLM's async scheduling builds one step ahead (kept bounded all the same).
+_STEPS_AHEAD = 2
 # A chunk whose fetch failed is not fetched again in the background (for nobody waiting) within this long.
 BACKGROUND_RETRY_S = 30.0
 
@@ -157,7 +159,7 @@ class InferScaleScheduler:
         # Steps built and not yet output, oldest first (when built, tokens scheduled), and when the last output came:
         # a step's forward runs from the later of its build and the previous step's output (vLLM's async scheduling
         # builds step N+1 before step N's output), to its own output.
-        self._steps: deque[tuple[float, int]] = deque()
+        self._steps: deque[tuple[float, int]] = deque(maxlen=_STEPS_AHEAD)
         self._last_output: float | None = None
         self._proofs: dict[str, ProvenPrefix] = {}  # request id -> what its plan proves of its prompt
         self._computed: dict[str, int] = {}  # request id -> vLLM's local hit at its last answer
@@ -307,11 +309,15 @@ class InferScaleScheduler:
             self._forget(request.request_id)
             return
         proof = self._proof(request)
-        if computed is None:  # vLLM allocated without asking first: nothing here proves where a load would start
+        if computed is None:
+            # vLLM allocated external tokens it was never answered: it counts them computed, so blocks left as they
+            # are would be read as someone's KV. A load of no chunks fails in the worker, and vLLM fails the request.
             logger.error("InferScale defect: request %s was allocated %d external tokens it was never answered; "
-                         "nothing is loaded", request.request_id, num_external_tokens)
-            self._pending.pop(request.request_id, None)
+                         "the request is failed", request.request_id, num_external_tokens)
             self._forget(request.request_id)
+            self._pending[request.request_id] = LoadSpec(
+                request.request_id, proof.user_id, (), proof.end - num_external_tokens, proof.end,
+                tuple(blocks.get_block_ids()[0]))
             return
         start = computed
         end = start + num_external_tokens
@@ -337,7 +343,9 @@ class InferScaleScheduler:
                 how, spec.end - spec.start + (loaded.tokens_loaded if loaded is not None else 0))
             self._forget(spec.request_id)
         self._recent.append(loads)
-        self._steps.append((self._clock(), getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        if tokens:  # a step of no tokens runs no forward, and its output reaches no connector
+            self._steps.append((self._clock(), tokens))
         return InferScaleConnectorMetadata(evictions=self._directory.take_evictions(),
                                            host_evictions=self._directory.take_host_evictions(), loads=loads,
                                            prefetches=self._directory.take_prefetches())

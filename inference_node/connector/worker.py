@@ -151,18 +151,19 @@ class InferScaleWorker:
                 failed.update(keys)
                 continue
             settled.update(keys)
-            self._count_transfers(counts, report)
+            self._count_transfers(counts, report if spec.to_device else None)
         self._prefetching = running
         return None if report.is_empty() else report
 
-    def _count_transfers(self, counts: FetchCounts, report: PrefetchReport) -> None:
-        """The bandwidths the miss policy weighs (per rank, summed by vLLM) and the per-tier counters."""
-        if counts.from_host:
-            report.transfer_bytes["host"] += counts.host_bytes
-            report.transfer_micros["host"] += max(1, int(counts.host_seconds * 1e6))
-        if counts.from_source:
-            report.transfer_bytes["source"] += counts.source_bytes
-            report.transfer_micros["source"] += max(1, int(counts.source_seconds * 1e6))
+    def _count_transfers(self, counts: FetchCounts, report: PrefetchReport | None) -> None:
+        """The per-tier counters, and in `report` the bandwidths the miss policy weighs (per rank, summed by vLLM;
+        not a warm-up's, which shares the fetch path with the requests' fetches)."""
+        for tier, chunks, num_bytes, seconds in (("host", counts.from_host, counts.host_bytes, counts.host_seconds),
+                                                 ("source", counts.from_source, counts.source_bytes,
+                                                  counts.source_seconds)):
+            if report is not None and chunks:
+                report.transfer_bytes[tier] += num_bytes
+                report.transfer_micros[tier] += max(1, int(seconds * 1e6))
         for name, amount in (("host_tier_hits", counts.from_host), ("host_bytes_copied", counts.host_bytes),
                              ("host_copy_micros", int(counts.host_seconds * 1e6)),
                              ("facts_fetched", counts.from_source), ("source_bytes_fetched", counts.source_bytes),

@@ -507,14 +507,24 @@ def test_a_steps_prefill_time_runs_from_the_later_of_its_build_and_the_previous_
     clock.now = 1.1
     scheduler.update_connector_output(_connector_output(None, set()))  # step 2's
     assert observed == [(128, 0.1), (10_000, 1.0)] and prior == scheduler._miss_policy.prefill_tokens.per_second
+    # Steps of no tokens (every waiting request waiting for its prefetch) reach no connector output: not counted.
+    for _ in range(3):
+        scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))
+    clock.now = 2.0
+    scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=8_000))
+    clock.now = 2.2
+    scheduler.update_connector_output(_connector_output(None, set()))
+    assert observed[-1] == (8_000, 0.2) and not scheduler._steps
 
 
-def test_an_allocation_never_asked_for_loads_nothing(scheduler) -> None:
-    """Review of issue 41: an allocation without an answer before it guessed the load's start from the plan's end;
-    it now fails closed."""
+def test_an_allocation_never_asked_for_fails_its_request(scheduler) -> None:
+    """Review of issue 41: vLLM counts allocated external tokens computed; an allocation the connector never
+    answered must not leave its blocks to be read as they are: a load of no chunks, which the worker fails (vLLM then
+    fails the request), not nothing."""
     request = _request("r1")
     scheduler.update_state_after_alloc(request, _blocks(0, 1, 2), MEMORY)
-    assert scheduler.build_connector_meta(_NO_OUTPUT).loads == []
+    (load,) = scheduler.build_connector_meta(_NO_OUTPUT).loads
+    assert load.chunks == () and (load.start, load.end) == (0, MEMORY)
 
 
 def test_the_request_finished_answer_says_what_became_of_the_memory(monkeypatch, clock) -> None:

@@ -277,6 +277,7 @@ def test_a_warm_up_puts_chunks_in_the_host_tier_only(layers) -> None:
         PrefetchSpec("u1", CHUNKS, keep_on_host=keys, to_device=False)]), _forward_context(layers))
     report = _report_of(worker)
     assert report.warmed == Counter(keys) and not report.fetched
+    assert not report.transfer_bytes  # a warm-up's transfer is not a bandwidth the miss policy weighs
     _load(worker, layers, "r1")  # not in the device tier: a declared load would be a defect
     assert worker.take_failed_blocks() == {5, 6}
     worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[PrefetchSpec("u1", CHUNKS)]),
@@ -290,3 +291,13 @@ def _report_of(worker: InferScaleWorker) -> PrefetchReport:
         time.sleep(0.01)
     assert report is not None
     return report
+
+
+def test_a_load_of_no_chunks_fails_its_blocks(layers) -> None:
+    """What the scheduler sends for an allocation it never answered: its blocks are reported failed (vLLM fails the
+    request) rather than read as whatever they held."""
+    worker = _worker(_settings(synthetic_kv=True))
+    spec = LoadSpec("r1", "u1", (), 0, 7, (5, 6))
+    worker.start_load_kv(InferScaleConnectorMetadata(loads=[spec]), _forward_context(layers))
+    assert worker.take_failed_blocks() == {5, 6}
+    assert all(layer.written == [] for layer in layers.values())

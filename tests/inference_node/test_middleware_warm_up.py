@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import pytest
 
 from inference_node.middleware import MemoryMiddleware
@@ -104,3 +105,36 @@ def test_the_summary_of_a_non_streamed_kv_answer_says_what_became_of_its_memory(
     summary = json.loads(response.headers[b"x-inferscale-memory"])
     assert response.body == answer and summary["kv_facts"] == 2
     assert {key: summary[key] for key in ("load", "tokens_loaded") if key in summary} == said
+
+
+class CappedService:
+    """The real memory service behind a --max-top-k of `limit` (refused as the service refuses it)."""
+
+    def __init__(self, inner, limit: int) -> None:
+        self.inner, self.limit, self.asked = inner, limit, list[int]()
+
+    async def RetrieveAndStage(self, request, timeout, metadata):
+        self.asked.append(request.top_k)
+        if request.top_k > self.limit:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=f"top_k: {request.top_k} exceeds the limit of {self.limit}")
+        return await self.inner.RetrieveAndStage(request, timeout=timeout, metadata=metadata)
+
+
+def test_a_service_that_refuses_the_warm_up_still_serves_the_requests_own_top_k(middleware, users_with_kv) -> None:
+    """Review of issue 41: the warm-up's top_k past the service's --max-top-k was refused as the request's own
+    top_k (a 400 for a valid request); and the user counted as warmed up all the same."""
+    node, app, loop, signer = middleware
+    user_id = users_with_kv[2] + "-capped"
+    _ask(node, loop, user_id, mode="text")  # the channel to the service opens on the middleware's loop
+    retriever = node._retriever
+    service = retriever._stub = CappedService(retriever._connected(), limit=4)
+    for _ in range(2):
+        summary = _ask(node, loop, user_id, mode="text")
+        assert summary["facts"] == 0  # (no facts under this name: the calls are what is looked at)
+    assert service.asked == [2, 2]  # text: no warm-up
+    _ask(node, loop, users_with_kv[1])
+    _ask(node, loop, users_with_kv[1])
+    assert service.asked[2:] == [5, 2, 5, 2]  # refused with the warm-up, served without; asked again next time
+    assert signer.verified(app.json()["kv_transfer_params"]) is not None
+    assert signer.verified_warm_up(app.json()["kv_transfer_params"]) == ()

@@ -191,3 +191,20 @@ def test_a_failed_fetch_is_remembered_for_a_while() -> None:
     assert directory.recently_failed(_key(0), 120.0, 30.0) and not directory.recently_failed(_key(0), 131.0, 30.0)
     _fetched(directory, 0)
     assert not directory.recently_failed(_key(0), 120.0, 30.0)
+
+
+def test_warmed_chunks_are_the_first_to_go_and_make_room_only_for_other_warm_ups() -> None:
+    """Review of issue 41: a warmed chunk entered as the most recently used, so that real prefetches evicted a
+    used chunk before it; and once the host tier was full no warm-up could ever be ordered again."""
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10, host_budget_bytes=300)
+    _fetched(directory, 0)  # used by a request
+    directory.take_prefetches()
+    assert directory.warm("u", [_chunk(1), _chunk(2)], now=0.0, wait_s=1.0) == 2
+    directory.settle(PrefetchReport(warmed=Counter({_key(1): 1, _key(2): 1})))
+    _fetched(directory, 3)  # needs host room: a warmed chunk nobody used goes, not 0
+    assert directory.take_host_evictions() in ((_key(1),), (_key(2),))
+    assert directory.is_on_host(_chunk(0))
+    directory.take_prefetches()
+    assert directory.warm("u", [_chunk(4)], now=0.0, wait_s=1.0) == 1  # in place of the other warmed chunk
+    assert directory.take_host_evictions() in ((_key(1),), (_key(2),))
+    assert directory.warm("u", [_chunk(5)], now=0.0, wait_s=1.0) == 0  # only used chunks (and a reserved one) left
