@@ -25,16 +25,24 @@ Workloads, each on its own memory service, worker and node (--workloads; with --
 - varying: k of 10, 20, 50 out of --varying-facts facts per user, so consecutive requests share only part of their
   facts (LoCoMo: every observation of a conversation);
 - long: k=50 facts of --long-clauses clauses each, thousands of memory tokens per request;
-- cold: --cold-users users' KV against a node cache that holds about two users' facts, so kv's requests wait for
-  their chunks to be prefetched; kv-warm asks the same of two users whose KV the node cache holds: the difference is
-  a miss's cost.
+- cold: --cold-users users' KV against a node cache whose device tier holds about two users' facts (its host tier at
+  the node's default). Every load asks users the node has never seen, --requests of them each (so --cold-users must
+  be at least --requests x the loads): kv and kv-auto (its own copies of those users) are fully cold, their KV only
+  in the memory service's tiers; text, text-stable and off ask the same questions; kv-warm asks two users whose KV
+  the device tier holds; kv-host asks users of its own touched once (whole memory) just before, whose KV the host
+  tier holds and the device tier no longer does; kv-second asks kv's users a second, other question (other facts at
+  k < facts), after their first request had the node warm their other facts into its host tier. Between contenders
+  the run waits for the node's background fetches to settle, so each contender's connector counters are its own.
 Per (workload, load, k, contender): query-to-first-token (client clock: retrieval + staging + compose + engine),
 TTFT (that minus the node's RetrieveAndStage), vLLM's engine TTFT (its histogram's mean) split into vLLM's queue
 time (arrival to first scheduled: a wait for a prefetch lands here) and prefill time (first scheduled to first token)
 with each contender's difference to off, TPOT, throughput, prompt and cached tokens, the node-cache hit rate (kv) and
-vLLM's prefix-cache hit rate (all), with kv/text and kv/text-stable ratios; with --load-stats also the connector's own
-time per warm load. Prints a line and rewrites results.json after every measurement (a run cut short keeps what it
-measured), and writes PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights and
+vLLM's prefix-cache hit rate (all), with kv/text and kv/text-stable ratios; the connector counters' deltas (loads,
+partial and async loads, load failures, host-tier hits, facts fetched, warmed chunks) and the byte path's bandwidth
+as the node measured it (service fetch and host-to-device copy GB/s); with --load-stats also the connector's own
+time per warm load. vLLM's engine TTFT p50 is interpolated from its histogram's buckets (coarse: a bucket's width).
+Prints a line and rewrites results.json after every measurement (a run cut short keeps what it measured), and writes
+PNGs per workload. `--shape llama3-8b` serves a Llama-3-8B-shaped model with DUMMY weights and
 SYNTHETIC fact KV (random, uploaded by the real worker pipeline); every report of such a run says so.
 `--nodes N --routing consistent-hash round-robin` runs the fleet mode instead (benchmarks/fleet.py): N nodes behind
 vLLM's router, kv requests of the synthetic workload's users, the node-cache hit rate and requests per node.
@@ -88,6 +96,14 @@ from inferscale.v1 import memory_pb2_grpc
 KV_AUTO = {"mode": "kv", "recompute_tail_facts": 0}
 WORKLOADS = ("synthetic", "varying", "long", "cold")
 WARM_USERS = 2  # the cold workload's kv-warm contender: users whose KV the node cache holds
+# Cold workload contenders beyond kv-warm: users whose KV is in the node's host tier only (touched just before), and
+# kv's own users asked a second question (their memory warmed by their first request).
+KV_HOST, KV_SECOND = "kv-host", "kv-second"
+COLD_ONLY = ("kv-warm", KV_HOST, KV_SECOND)
+# The connector counters each row reports as deltas (inferscale_connector_<name>_total on the node's /metrics).
+CONNECTOR_DELTAS = ("loads", "async_loads", "partial_loads", "load_failures", "tokens_loaded", "node_cache_lookups",
+                    "node_cache_hits", "facts_fetched", "host_tier_hits", "warmed_chunks", "source_bytes_fetched",
+                    "source_fetch_micros", "host_bytes_copied", "host_copy_micros")
 
 
 def tail_contender(m: int) -> str:
@@ -194,14 +210,17 @@ _VLLM_HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:request_qu
 
 
 def parse_counters(metrics_text: str) -> dict[str, float]:
-    """The connector counters (inferscale_connector_*_total), vLLM's prefix-cache counters and the sum/count of its
-    TTFT, queue-time and prefill-time histograms, summed over label sets."""
+    """The connector counters (inferscale_connector_*_total), vLLM's prefix-cache counters, the sum/count of its
+    TTFT, queue-time and prefill-time histograms and its TTFT histogram's cumulative buckets ("ttft_le:<bound>"),
+    summed over label sets."""
     totals: dict[str, float] = {}
     for line in metrics_text.splitlines():
         name = None
         metric = line.split("{")[0].split(" ")[0]
         if line.startswith("inferscale_connector_") and "_total{" in line:
             name = line[len("inferscale_connector_") : line.index("_total{")]
+        elif metric == "vllm:time_to_first_token_seconds_bucket" and 'le="' in line:
+            name = "ttft_le:" + line.split('le="', 1)[1].split('"', 1)[0]
         elif metric.endswith(("_sum", "_count")) and metric.rsplit("_", 1)[0] in _VLLM_HISTOGRAMS:
             histogram, part = metric.rsplit("_", 1)
             name = f"{_VLLM_HISTOGRAMS[histogram]}_{part}"
@@ -229,6 +248,52 @@ def engine_ttft_ms(before: Mapping[str, float], after: Mapping[str, float],
     return {"mean": mean, "requests": count}
 
 
+def engine_ttft_percentile_ms(before: Mapping[str, float], after: Mapping[str, float], quantile: float = 0.5) -> float:
+    """vLLM's TTFT at `quantile` over a run, interpolated linearly inside the bucket of its histogram's delta that
+    holds it (as Prometheus' histogram_quantile does); NaN without requests, the last finite bound past it."""
+    bounds = sorted((float(name.split(":", 1)[1]), name) for name in after if name.startswith("ttft_le:"))
+    deltas = [(bound, after[name] - before.get(name, 0.0)) for bound, name in bounds]
+    total = deltas[-1][1] if deltas else 0.0
+    if total <= 0:
+        return math.nan
+    rank, lower, below = quantile * total, 0.0, 0.0
+    for bound, cumulative in deltas:
+        if cumulative >= rank:
+            if math.isinf(bound):
+                return lower * 1000
+            inside = cumulative - below
+            return (lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)) * 1000
+        lower, below = bound, cumulative
+    return lower * 1000
+
+
+def connector_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float | None]:
+    """The connector counters' changes over a run (CONNECTOR_DELTAS), with the bandwidths the node measured: the
+    memory service's bytes over the time its fetches took (`source_gbps`, the byte path) and the host tier's bytes
+    over the time its host-to-device copies took (`host_gbps`), None where nothing moved."""
+    deltas: dict[str, float | None] = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in CONNECTOR_DELTAS}
+    for rate, (moved, micros) in (("source_gbps", ("source_bytes_fetched", "source_fetch_micros")),
+                                  ("host_gbps", ("host_bytes_copied", "host_copy_micros"))):
+        deltas[rate] = deltas[moved] / deltas[micros] / 1e3 if deltas[micros] else None
+    return deltas
+
+
+def settle(base_url: str, quiet_s: float = 1.5, timeout_s: float = 120.0) -> float:
+    """Waits until the node's background fetches (prefetches, a partial load's rest, warm-ups) have stopped: the
+    chunks fetched and warmed unchanged for `quiet_s`. The seconds waited."""
+    started = time.monotonic()
+    watched = ("facts_fetched", "warmed_chunks", "host_tier_hits", "source_bytes_fetched")
+    last = None
+    while time.monotonic() - started < timeout_s:
+        now = node_counters(base_url)
+        current = tuple(now.get(name, 0.0) for name in watched)
+        if current == last:
+            break
+        last = current
+        time.sleep(quiet_s)
+    return time.monotonic() - started
+
+
 def counter_ratio(before: Mapping[str, float], after: Mapping[str, float], hits: str, lookups: str) -> float | None:
     """hits / lookups over a run, from two counters' deltas (None without lookups)."""
     total = after.get(lookups, 0.0) - before.get(lookups, 0.0)
@@ -254,23 +319,31 @@ def connector_phases(stats_path: Path, chunks: int) -> dict | None:
 
 
 def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: str, memory: dict, k: int, load: str,
-                  max_tokens: int, base_url: str, facts_of: dict[str, list[pb.FactInput]]) -> dict:
+                  max_tokens: int, base_url: str, facts_of: dict[str, list[pb.FactInput]], prefilled_ok: bool = False,
+                  settle_after: bool = False) -> dict:
     """One contender at one load: "c<N>" = closed loop with N in flight, "r<R>" = open loop at R requests/s. A row
     in which any request lost its memory keeps that count (`lost_memory`) and loses the figures that cover every
-    request (throughput, vLLM's histograms: NaN, so no ratio is drawn from them)."""
+    request (throughput, vLLM's histograms: NaN, so no ratio is drawn from them). `prefilled_ok`: kv requests the
+    node prefilled instead of loading are counted (`prefilled`), not lost; `settle_after`: the connector counters
+    are read once the background fetches the requests started have settled (their wait is no part of the row's
+    figures)."""
     before = node_counters(base_url)
 
     def ask(job: tuple[str, str]) -> Sample:
         return one_request(client, model, job[0], job[1], memory, k, max_tokens, contender,
-                           min(k, len(facts_of[job[0]])))
+                           min(k, len(facts_of[job[0]])), prefilled_ok)
 
     samples, wall_s = run_load(ask, jobs, load)
     row = summarize(samples, wall_s)
+    if settle_after:
+        row["settle_s"] = settle(base_url)
     after = node_counters(base_url)
     for metric, histogram in (("engine_ttft_ms", "ttft"), ("engine_queue_ms", "queue"),
                               ("engine_prefill_ms", "prefill")):
         row[metric] = ({"mean": math.nan} if row["lost_memory"] else
                        engine_ttft_ms(before, after, histogram))
+    row["engine_ttft_ms"]["p50"] = (math.nan if row["lost_memory"] else engine_ttft_percentile_ms(before, after))
+    row["connector"] = connector_deltas(before, after)
     row["node_cache_hit_rate"] = hit_rate(before, after) if memory["mode"] == "kv" else None
     row["prefix_cache_hit_rate"] = counter_ratio(before, after, "prefix_cache_hits", "prefix_cache_queries")
     row["facts_fetched_per_request"] = (after.get("facts_fetched", 0.0) - before.get("facts_fetched", 0.0)) / len(jobs)
@@ -278,11 +351,11 @@ def run_contender(client, model: str, jobs: list[tuple[str, str]], contender: st
 
 
 def warm_up(client, model: str, plan: WorkloadPlan, users: dict[str, str], max_tokens: int, node_cache: bool,
-            compile_paths: bool = True) -> None:
-    """Compiles the engine's paths (every contender once) and, with `node_cache`, brings the users' facts into the
-    node cache with questions that are not measured: one request per user retrieving its whole memory, or, where
-    that is longer than the node serves, requests of the largest k. `users`: each user to warm -> the workload user
-    whose memory it holds."""
+            compile_paths: bool = True, compile_user: str | None = None) -> None:
+    """Compiles the engine's paths (every contender once, as `compile_user`, default the first of `users`) and,
+    with `node_cache`, brings the users' facts into the node cache with questions that are not measured: one
+    request per user retrieving its whole memory, or, where that is longer than the node serves, requests of the
+    largest k. `users`: each user to warm -> the workload user whose memory it holds."""
     import openai
 
     k = max(plan.ks)
@@ -298,8 +371,8 @@ def warm_up(client, model: str, plan: WorkloadPlan, users: dict[str, str], max_t
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         if compile_paths:
-            list(pool.map(lambda memory: one_request(client, model, next(iter(users)), "warm up", memory, k,
-                                                     max_tokens), CONTENDERS.values()))
+            list(pool.map(lambda memory: one_request(client, model, compile_user or next(iter(users)), "warm up",
+                                                     memory, k, max_tokens), CONTENDERS.values()))
         if node_cache:
             list(tqdm(pool.map(warm, users, users.values(), range(900, 900 + len(users))), total=len(users),
                       desc="warm-up", unit="user"))
@@ -322,6 +395,8 @@ def isolation_namespaces(contenders: dict[str, dict]) -> dict[str, str]:
     seen: set[tuple] = set()
     namespaces = {}
     for name, memory in contenders.items():
+        if name == KV_SECOND:  # kv's own users, asked again on purpose: their second request
+            continue
         forms = _served_as(memory)
         if forms & seen:
             namespaces[name] = name
@@ -330,9 +405,10 @@ def isolation_namespaces(contenders: dict[str, dict]) -> dict[str, str]:
 
 
 def contender_users(plan: WorkloadPlan, contender: str, namespaces: dict[str, str]) -> dict[str, str]:
-    """The users `contender` asks for in `plan` (kv-warm: the warm users): workload user -> the user asked."""
+    """The users `contender` asks for in `plan` (kv-warm: the warm users; kv-second: kv's): workload user -> the
+    user asked."""
     users = plan.warm_users if contender == "kv-warm" else plan.workload.users
-    suffix = namespaces.get(contender)
+    suffix = namespaces.get("kv" if contender == KV_SECOND else contender)
     return {user: f"{user}.{suffix}" if suffix else user for user in users}
 
 
@@ -341,7 +417,28 @@ def plan_contenders(args: argparse.Namespace, plans: list[WorkloadPlan]) -> dict
     tails = {tail_contender(m): {**CONTENDERS["kv"], "recompute_tail_facts": m} for m in args.tails}
     cold = any(plan.warm_users for plan in plans)
     return {**CONTENDERS, **({"kv-auto": KV_AUTO} if args.kv_auto else {}), **tails,
-            **({"kv-warm": CONTENDERS["kv"]} if cold else {})}
+            **({name: CONTENDERS["kv"] for name in COLD_ONLY} if cold else {})}
+
+
+def measured_contenders(contenders: dict[str, dict], only: list[str] | None) -> dict[str, dict]:
+    """The contenders a measurement runs: those of `only` (in the run's order), all without it."""
+    if not only:
+        return contenders
+    unknown = [name for name in only if name not in contenders]
+    if unknown:
+        raise SystemExit(f"--contenders: {', '.join(unknown)} not in this run ({', '.join(contenders)})")
+    return {name: memory for name, memory in contenders.items() if name in only}
+
+
+def cold_jobs(plan: WorkloadPlan, requests: int, load_index: int, loads: int,
+              rng: random.Random) -> list[tuple[str, str]]:
+    """The cold workload's jobs at one load: `requests` users none of whom another load asks, one question each, so
+    that every request of a contender is for a user the node has not seen."""
+    users = plan.workload.users
+    if len(users) < requests * loads:
+        raise SystemExit(f"cold: {requests} requests at each of {loads} load(s) ask {requests * loads} users the node "
+                         f"has not seen; the workload has {len(users)} (--cold-users)")
+    return plan.workload.jobs(requests, rng, users[load_index * requests : (load_index + 1) * requests])
 
 
 def _memories(plans: list[WorkloadPlan], contenders: dict[str, dict], namespaces: dict[str, str]) -> Workload:
@@ -425,9 +522,13 @@ def prepare(session: Session, plans: list[WorkloadPlan], args: argparse.Namespac
     client = OpenAI(base_url=f"{session.node.address}/v1", api_key="bench", timeout=600)
     for plan in plans:
         if f"warm:{plan.name}" not in session.done:
-            users = {user: base for name, memory in contenders.items() if memory["mode"] == "kv" and name != "kv-warm"
-                     for base, user in contender_users(plan, name, namespaces).items()}
-            warm_up(client, session.model_dir, plan, users, args.max_tokens, plan.warm_node_cache)
+            users = {user: base for name, memory in contenders.items() if memory["mode"] == "kv"
+                     and name not in COLD_ONLY for base, user in contender_users(plan, name, namespaces).items()}
+            # The cold workload's measured users stay unseen: its paths compile as a kv-warm user (warmed anyway).
+            compile_user = next(iter(contender_users(plan, "kv-warm", namespaces).values()), None)
+            warm_up(client, session.model_dir, plan, users, args.max_tokens, plan.warm_node_cache,
+                    compile_user=compile_user)
+            settle(session.node.address)  # what the warm-up fetches in the background is in before measuring
             session.mark(f"warm:{plan.name}")
             print(f"{plan.name}: warmed up, {_elapsed(started)}", flush=True)
 
@@ -467,22 +568,37 @@ def measure(session: Session, plan: WorkloadPlan, args: argparse.Namespace, load
     outcome: dict = {"results": {}, "node_cache_mb": session.node_cache_mb, "source": plan.workload.source,
                      "isolated": {name: suffix for name, suffix in namespaces.items() if name in contenders}}
     rng = random.Random(5)
-    contenders = {name: memory for name, memory in contenders.items() if name != "kv-warm" or plan.warm_users}
+    cold = bool(plan.warm_users)
+    contenders = {name: memory for name, memory in contenders.items() if name not in COLD_ONLY or cold}
+    if KV_SECOND in contenders and "kv" not in contenders:
+        raise SystemExit("kv-second asks kv's users their second question: measure kv with it")
+    if cold:
+        for index in range(len(loads)):  # says now, not after the first load, that the users do not suffice
+            cold_jobs(plan, args.requests, index, len(loads), random.Random(0))
     with tqdm(total=len(loads) * len(contenders) * len(plan.ks) * args.requests, desc=f"{plan.name} requests",
               unit="req") as progress:
-        for load in loads:
+        for index, load in enumerate(loads):
             for k in plan.ks:
-                jobs = plan.workload.jobs(args.requests, rng)
+                jobs = (cold_jobs(plan, args.requests, index, len(loads), rng) if cold
+                        else plan.workload.jobs(args.requests, rng))
                 for contender, memory in contenders.items():  # same questions, one after the other
                     rename = contender_users(plan, contender, namespaces)
                     asked = jobs
                     if contender == "kv-warm":  # the same requests' shape, against users whose KV the node cache holds
                         warm_up(client, model, plan, {user: base for base, user in rename.items()}, args.max_tokens,
                                 node_cache=True, compile_paths=False)
+                        settle(base_url)
                         asked = plan.workload.jobs(args.requests, rng, plan.warm_users)
+                    elif contender == KV_HOST:  # each user touched once (its whole memory): host tier, not device
+                        warm_up(client, model, plan, {rename[user]: user for user, _ in jobs}, args.max_tokens,
+                                node_cache=True, compile_paths=False)
+                        settle(base_url)
+                    elif contender == KV_SECOND:  # kv's users again, another question: other facts
+                        asked = plan.workload.second_questions(jobs, rng)
                     row = run_contender(client, model, [(rename[user], question) for user, question in asked],
                                         contender, memory, k, load, args.max_tokens, base_url,
-                                        {user: plan.workload.facts[base] for base, user in rename.items()})
+                                        {user: plan.workload.facts[base] for base, user in rename.items()},
+                                        args.prefilled_ok, settle_after=cold)
                     outcome["results"].setdefault(load, {}).setdefault(contender, {})[str(k)] = row
                     progress.update(len(asked))
                     on_result()
@@ -490,11 +606,24 @@ def measure(session: Session, plan: WorkloadPlan, args: argparse.Namespace, load
                           f"query-to-first-token p50 {row['query_to_first_token_ms']['p50']:.1f} ms, engine TTFT "
                           f"{_fmt(row['engine_ttft_ms']['mean'], '{:.1f}')} ms (queue "
                           f"{_fmt(row['engine_queue_ms']['mean'], '{:.1f}')}), {row['throughput_rps']:.2f} req/s, "
-                          f"cached {row['mean_cached_tokens']:.0f} of {row['mean_prompt_tokens']:.0f} tokens",
-                          flush=True)
+                          f"cached {row['mean_cached_tokens']:.0f} of {row['mean_prompt_tokens']:.0f} tokens"
+                          + _connector_note(row), flush=True)
     if args.load_stats:
         outcome["connector_phases"] = {str(k): connector_phases(stats_path, k + 1) for k in plan.ks}
     return outcome
+
+
+def _connector_note(row: dict) -> str:
+    """The connector's deltas worth a progress line: what was prefilled, fetched, copied, warmed."""
+    deltas = row.get("connector") or {}
+    parts = [f"{name} {deltas[name]:.0f}" for name in ("partial_loads", "async_loads", "load_failures",
+                                                       "host_tier_hits", "facts_fetched", "warmed_chunks")
+             if deltas.get(name)]
+    if row.get("prefilled"):
+        parts.insert(0, f"prefilled {row['prefilled']}")
+    if deltas.get("source_gbps"):
+        parts.append(f"fetch {deltas['source_gbps']:.2f} GB/s")
+    return f"; {', '.join(parts)}" if parts else ""
 
 
 # What a session's memories and servers are made with: an attached run takes them from the state file.
@@ -528,6 +657,25 @@ def _attach(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Sessio
     return session
 
 
+def _only_node_flags_differ(prepared: dict, wanted: dict) -> bool:
+    return prepared["node_flags"] != wanted["node_flags"] and all(
+        prepared.get(name) == value for name, value in wanted.items() if name != "node_flags")
+
+
+def _replace_node(session: Session, node_flags: str) -> None:
+    """Another node on a prepared session's memory service and memories (the same users, KV and data): the node
+    stops, and the next prepare phases start one with `node_flags` and warm it up as a new node (it has seen no
+    user)."""
+    print(f"node flags changed: stopping the node, keeping the memory service and memories; new node flags: "
+          f"{node_flags}", flush=True)
+    if session.node is not None:
+        session.node.stop()
+    session.node = None
+    session.setup["node_flags"] = node_flags
+    session.done = [phase for phase in session.done if not phase.startswith("warm:")]
+    session.save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None,
@@ -550,6 +698,12 @@ def main() -> None:
     parser.add_argument("--kv-auto", action="store_true",
                         help="also measure kv-auto: kv under the node's crossover policy (kv always injects)")
     parser.add_argument("--requests", type=int, default=8, help="requests per (load, k, contender)")
+    parser.add_argument("--contenders", nargs="+", default=None, metavar="NAME",
+                        help="measure only these of the run's contenders (e.g. kv text text-stable off)")
+    parser.add_argument("--prefilled-ok", action="store_true",
+                        help="a kv request the node prefilled instead of loading (its miss policy's partial load, or "
+                        "a fallback) is counted in its row's `prefilled`, not as a request that lost its memory "
+                        "(its memory is in the prompt); for nodes whose miss policy is not `wait`")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1], help="closed-loop loads")
     parser.add_argument("--rate", type=float, nargs="*", default=[], help="open-loop loads (requests/s, Poisson)")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -597,6 +751,8 @@ def main() -> None:
         return
     plans = plan_workloads(args)
     contenders = plan_contenders(args, plans)
+    if not args.prepare:
+        contenders = measured_contenders(contenders, args.contenders)
     if args.prepare:
         if len(plans) > 1 and any(plan.warm_users for plan in plans):
             parser.error("--prepare: the cold workload needs a node of its own (a node cache for two users)")
@@ -607,7 +763,9 @@ def main() -> None:
                                                                         "namespaces": isolation_namespaces(contenders)})
             if state.exists():  # resume a prepare cut short, made with the same arguments
                 prepared = Session.load(state)
-                if prepared.setup != session.setup:
+                if _only_node_flags_differ(prepared.setup, session.setup):
+                    _replace_node(prepared, session.setup["node_flags"])
+                elif prepared.setup != session.setup:
                     parser.error(f"--prepare: {state} was prepared with other arguments: --stop it first")
                 session = prepared
             session.preparer = ServerProcess(os.getpid(), "benchmarks.serve")
@@ -684,6 +842,41 @@ def engine_breakdown(row: dict, off: dict) -> str:
             f"{parts['engine_prefill_ms']:+.1f} + rest {rest:+.1f}")
 
 
+def _delta(name: str):
+    return lambda row: (row.get("connector") or {}).get(name)
+
+
+def _engine(row: dict, point: str) -> float:
+    value = row.get("engine_ttft_ms", {}).get(point)
+    return math.nan if value is None or row.get("lost_memory") else value
+
+
+def issue_lines(rows: dict) -> list[str]:
+    """Engine TTFT (vLLM, mean and p50) as issue 41's targets read it: kv and kv-auto over text, the users of the
+    node's tiers (kv-warm, kv-host, kv-second) over off, and the bandwidth of the node's byte path over the run's
+    fully cold contenders."""
+    lines = []
+    if "text" in rows:
+        for name in ("kv", "kv-auto"):
+            if name in rows:
+                row, text = rows[name], rows["text"]
+                lines.append(f"engine TTFT {name}/text: mean {ratio(_engine(row, 'mean'), _engine(text, 'mean'))}, "
+                             f"p50 {ratio(_engine(row, 'p50'), _engine(text, 'p50'))}")
+    if "off" in rows:
+        for name in ("kv-warm", "kv-host", "kv-second"):
+            if name in rows:
+                mean = _engine(rows[name], "mean") - _engine(rows["off"], "mean")
+                p50 = _engine(rows[name], "p50") - _engine(rows["off"], "p50")
+                lines.append(f"engine TTFT {name} - off: mean {_fmt(mean, '{:+.1f}') or 'n/a'} ms, "
+                             f"p50 {_fmt(p50, '{:+.1f}') or 'n/a'} ms")
+    moved = [(rows[name].get("connector") or {}) for name in ("kv", "kv-auto") if name in rows]
+    micros = sum(c.get("source_fetch_micros") or 0 for c in moved)
+    if micros:
+        gbps = sum(c.get("source_bytes_fetched") or 0 for c in moved) / micros / 1e3
+        lines.append(f"byte path (node's measure, kv and kv-auto's fetches): {gbps:.2f} GB/s")
+    return lines
+
+
 def ratio(kv: float, text: float) -> str:
     return f"{kv / text:.2f}" if text and not math.isnan(text) and not math.isnan(kv) else "n/a"
 
@@ -703,11 +896,20 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                    ("Mean cached prompt tokens", lambda r: r["mean_cached_tokens"], "{:.0f}"),
                    ("Node-cache hit rate", lambda r: r["node_cache_hit_rate"], "{:.2f}"),
                    ("Prefix-cache hit rate (vLLM)", lambda r: r.get("prefix_cache_hit_rate"), "{:.2f}"),
-                   ("Facts fetched per request", lambda r: r.get("facts_fetched_per_request"), "{:.1f}")]
+                   ("Facts fetched per request", lambda r: r.get("facts_fetched_per_request"), "{:.1f}"),
+                   ("kv requests prefilled, not loaded", lambda r: r.get("prefilled"), "{:d}"),
+                   ("kv-auto requests served as text", lambda r: r.get("served_as_text") or None, "{:d}"),
+                   *((f"Connector: {label}", _delta(name), "{:.0f}") for name, label in (
+                       ("loads", "loads"), ("partial_loads", "partial loads"), ("async_loads", "async loads"),
+                       ("load_failures", "load failures"), ("host_tier_hits", "host-tier hits"),
+                       ("facts_fetched", "chunks fetched"), ("warmed_chunks", "chunks warmed"))),
+                   ("Byte path, service fetch (GB/s)", _delta("source_gbps"), "{:.2f}"),
+                   ("Host tier to device (GB/s)", _delta("host_gbps"), "{:.2f}")]
     width = max(12, max(len(name) for name in names) + 2)
     for k in next(iter(results.values())):
         rows = {name: results[name][k] for name in names if k in results[name]}
-        print(f"{'-' * 22} k = {k} facts ({rows['kv']['requests'] + rows['kv'].get('lost_memory', 0)} requests "
+        first = next(iter(rows.values()))
+        print(f"{'-' * 22} k = {k} facts ({first['requests'] + first.get('lost_memory', 0)} requests "
               f"each) {'-' * 22}")
         print(f"{'':<34}" + "".join(f"{name:>{width}}" for name in rows))
         for label, value, spec in metric_rows:
@@ -715,16 +917,16 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
         for heading, metric, points in (("Query-to-first-token (ms)", "query_to_first_token_ms", ("p50", "p90", "p99")),
                                         ("Memory step, RetrieveAndStage (ms)", "memory_step_ms", ("p50", "p99")),
                                         ("TTFT after the memory step (ms)", "ttft_ms", ("p50", "p90", "p99")),
-                                        ("Engine TTFT, vLLM (ms)", "engine_ttft_ms", ("mean",)),
+                                        ("Engine TTFT, vLLM (ms)", "engine_ttft_ms", ("mean", "p50")),
                                         ("Engine queue time, vLLM (ms)", "engine_queue_ms", ("mean",)),
                                         ("Engine prefill time, vLLM (ms)", "engine_prefill_ms", ("mean",)),
                                         ("TPOT (ms)", "tpot_ms", ("p50", "p99"))):
             for point in points:
                 print(f"{heading.replace(' (ms)', f' {point} (ms)'):<34}"
-                      + "".join(f"{_fmt(r[metric][point] if metric in r else None, '{:.1f}'):>{width}}"
+                      + "".join(f"{_fmt(r[metric].get(point) if metric in r else None, '{:.1f}'):>{width}}"
                                 for r in rows.values()))
-        kv = rows["kv"]
-        for baseline in ("text", "text-stable"):
+        kv = rows.get("kv", first)
+        for baseline in ("text", "text-stable") if "kv" in rows else ():
             if baseline in rows and (kv.get("lost_memory") or rows[baseline].get("lost_memory")):
                 print(f"kv/{baseline}: n/a (requests lost their memory: not a result)")
             elif baseline in rows:
@@ -738,6 +940,8 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
             for name, row in rows.items():
                 if name != "off" and "engine_queue_ms" in row and not row.get("lost_memory"):
                     print(f"{name} - off: {engine_breakdown(row, rows['off'])}")
+        for line in issue_lines(rows):
+            print(line)
         for name, row in rows.items():
             if name.startswith("kv-tail"):
                 cost = row["engine_ttft_ms"]["mean"] / kv["engine_ttft_ms"]["mean"] - 1

@@ -39,14 +39,27 @@ class Sample:
     cached_tokens: int  # injected by the connector or reused from vLLM's prefix cache
     memory_lost: str | None = None  # why the answer lacks the memory its contender asked for (None: it has it)
     memory_step_s: float = 0.0  # the node's RetrieveAndStage, as its x-inferscale-memory reports it
+    prefilled: bool = False  # kv: planned for injection, but vLLM prefilled (part of) it: the node did not load it all
+    served_as_text: bool = False  # kv-auto: the node's crossover served the memory as text
 
 
-def memory_lost(summary: dict, memory: dict, expected_facts: int, cached_tokens: int | None = None) -> str | None:
+def prefilled_instead(summary: dict, memory: dict, cached_tokens: int | None) -> bool:
+    """A kv request whose plan's injectable tokens vLLM did not all take from the connector (`cached_tokens`, vLLM's
+    count of prompt tokens it did not compute, below them): the node fell back, or its miss policy served the
+    request's resident prefix and had vLLM prefill the rest."""
+    if memory.get("mode", "kv") != "kv" or summary.get("served_as") == "text" or cached_tokens is None:
+        return False
+    return cached_tokens < summary.get("injectable_tokens", 0)
+
+
+def memory_lost(summary: dict, memory: dict, expected_facts: int, cached_tokens: int | None = None,
+                prefilled_ok: bool = False) -> str | None:
     """Why a request came back without the memory its contender asked for, read off the node's x-inferscale-memory
     summary: the memory dropped (the memory service failed or was late), fewer facts than the user's top-k, or in kv
     mode facts served as text that the contender wanted injected, or planned for injection but prefilled by vLLM
     (`cached_tokens`, vLLM's count of prompt tokens it did not compute, below the plan's injectable tokens: the
-    connector fell back). None: the request has its memory as asked."""
+    connector fell back), unless `prefilled_ok` (a node whose miss policy may prefill: counted apart, see
+    `prefilled_instead`). None: the request has its memory as asked."""
     mode = memory.get("mode", "kv")
     if mode == "off":
         return None
@@ -62,14 +75,15 @@ def memory_lost(summary: dict, memory: dict, expected_facts: int, cached_tokens:
         if summary.get("kv_facts", 0) < wanted:
             return f"{summary.get('kv_facts', 0)} of {wanted} facts injected"
         injectable = summary.get("injectable_tokens", 0)
-        if cached_tokens is not None and cached_tokens < injectable:
+        if not prefilled_ok and cached_tokens is not None and cached_tokens < injectable:
             return f"{cached_tokens} of {injectable} injectable tokens loaded (prefilled instead)"
     return None
 
 
 def one_request(client, model: str, user: str, question: str, memory: dict, k: int, max_tokens: int,
-                contender: str = "", expected_facts: int = 0) -> Sample:
-    """One streamed chat request; `expected_facts`: the facts the user's memory holds for it (min(k, facts))."""
+                contender: str = "", expected_facts: int = 0, prefilled_ok: bool = False) -> Sample:
+    """One streamed chat request; `expected_facts`: the facts the user's memory holds for it (min(k, facts));
+    `prefilled_ok`: a kv memory prefilled instead of loaded is counted (Sample.prefilled), not lost."""
     started = time.perf_counter()
     first = None
     chunks = 0
@@ -92,9 +106,12 @@ def one_request(client, model: str, user: str, question: str, memory: dict, k: i
     details = usage.prompt_tokens_details if usage else None
     generated = usage.completion_tokens if usage else chunks
     cached = (details.cached_tokens or 0) if details else 0
+    said_cached = cached if usage else None
     return Sample(contender, k, first - started, first - started - stage_s,
                   (end - first) / max(generated - 1, 1), end - started, usage.prompt_tokens if usage else 0,
-                  cached, memory_lost(summary, memory, expected_facts, cached if usage else None), stage_s)
+                  cached, memory_lost(summary, memory, expected_facts, said_cached, prefilled_ok), stage_s,
+                  prefilled_instead(summary, memory, said_cached),
+                  memory.get("mode", "kv") == "kv" and summary.get("served_as") == "text")
 
 
 def summarize(samples: list[Sample], wall_s: float) -> dict:
@@ -113,6 +130,8 @@ def summarize(samples: list[Sample], wall_s: float) -> dict:
         "throughput_rps": len(kept) / wall_s if not lost else math.nan,
         "mean_prompt_tokens": sum(s.prompt_tokens for s in kept) / len(kept) if kept else math.nan,
         "mean_cached_tokens": sum(s.cached_tokens for s in kept) / len(kept) if kept else math.nan,
+        "prefilled": sum(s.prefilled for s in kept),
+        "served_as_text": sum(s.served_as_text for s in kept),
     }
 
 
@@ -125,6 +144,22 @@ class Workload:
     turns: dict[str, list[pb.Turn]]
     questions: dict[str, list[str]]
     source: str
+
+    def second_questions(self, jobs: list[tuple[str, str]], rng: random.Random) -> list[tuple[str, str]]:
+        """The same users as `jobs`, each asked another of its questions than the one it was asked there (so that
+        retrieval picks other facts)."""
+        asked: dict[str, set[str]] = {}
+        for user, question in jobs:
+            asked.setdefault(user, set()).add(question)
+        seconds = []
+        for user, question in jobs:
+            others = [q for q in self.questions[user] if q not in asked[user]] or [
+                q for q in self.questions[user] if q != question]
+            if not others:
+                raise ValueError(f"{user}: no other question to ask")
+            seconds.append((user, rng.choice(others)))
+            asked[user].add(seconds[-1][1])
+        return seconds
 
     def jobs(self, count: int, rng: random.Random, users: list[str] | None = None) -> list[tuple[str, str]]:
         """`count` (user, question) pairs, users round-robin, each user's questions in a shuffled order without

@@ -11,7 +11,18 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from benchmarks.dummy_model import build_dummy_model
-from benchmarks.serve import cold_node_cache_mb, connector_phases, engine_ttft_ms, hit_rate, parse_counters, report
+from benchmarks.serve import (
+    cold_jobs,
+    cold_node_cache_mb,
+    connector_deltas,
+    connector_phases,
+    engine_ttft_ms,
+    engine_ttft_percentile_ms,
+    hit_rate,
+    measured_contenders,
+    parse_counters,
+    report,
+)
 from benchmarks.serve_requests import (
     Sample,
     arrival_offsets,
@@ -103,7 +114,7 @@ def test_counters_sum_label_sets_and_take_vllm_ttft_queue_and_prefill_sums_and_c
     assert parse_counters(METRICS_TEXT) == {"ttft_sum": 0.75, "ttft_count": 3.0, "queue_sum": 0.25,
                                             "queue_count": 3.0, "prefill_sum": 0.5, "prefill_count": 3.0,
                                             "node_cache_hits": 6.0, "prefix_cache_queries": 40.0,
-                                            "prefix_cache_hits": 30.0}
+                                            "prefix_cache_hits": 30.0, "ttft_le:0.01": 1.0}
 
 
 def test_engine_ttft_is_the_mean_of_the_histogram_delta_and_nan_without_requests() -> None:
@@ -226,3 +237,87 @@ def test_no_ratio_is_drawn_from_a_row_whose_requests_lost_their_memory(capsys) -
     assert "kv/text: n/a (requests lost their memory: not a result)" in out
     assert "kv/text: query-to-first-token" not in out and "kv - off:" not in out
     assert "Requests that lost their memory" in out
+
+
+def test_engine_ttft_p50_is_interpolated_inside_the_bucket_of_the_runs_delta() -> None:
+    before = {"ttft_le:0.01": 5.0, "ttft_le:0.02": 5.0, "ttft_le:0.04": 5.0, "ttft_le:+Inf": 5.0}
+    # this run: 2 requests under 10 ms, 6 in (10, 20], 2 in (20, 40]: the 5th of 10 lies 3/6 into (10, 20]
+    after = {"ttft_le:0.01": 7.0, "ttft_le:0.02": 13.0, "ttft_le:0.04": 15.0, "ttft_le:+Inf": 15.0}
+    assert engine_ttft_percentile_ms(before, after) == pytest.approx(15.0)
+    assert engine_ttft_percentile_ms(before, after, 0.9) == pytest.approx(30.0)
+    assert math.isnan(engine_ttft_percentile_ms(after, after))
+    beyond = {**after, "ttft_le:+Inf": 25.0}  # most of this run past the last finite bound: that bound
+    assert engine_ttft_percentile_ms(before, beyond, 0.9) == pytest.approx(40.0)
+
+
+def test_connector_deltas_give_each_counters_change_and_the_node_measured_bandwidths() -> None:
+    before = {"partial_loads": 2, "source_bytes_fetched": 1e9, "source_fetch_micros": 1e6}
+    after = {"partial_loads": 5, "async_loads": 1, "warmed_chunks": 30, "source_bytes_fetched": 3e9,
+             "source_fetch_micros": 2e6, "host_bytes_copied": 4e8, "host_copy_micros": 2e4}
+    deltas = connector_deltas(before, after)
+    assert (deltas["partial_loads"], deltas["async_loads"], deltas["warmed_chunks"], deltas["load_failures"]) == (
+        3, 1, 30, 0)
+    assert deltas["source_gbps"] == pytest.approx(2.0) and deltas["host_gbps"] == pytest.approx(20.0)
+    assert connector_deltas(after, after)["source_gbps"] is None
+
+
+def test_cold_jobs_ask_each_user_once_and_no_user_at_two_loads() -> None:
+    from benchmarks.serve import WorkloadPlan
+
+    workload = synthetic_workload(6, 3, clauses=1)
+    plan = WorkloadPlan("cold", workload, [2], warm_users=workload.users[:2])
+    rng = random.Random(0)
+    first, second = (cold_jobs(plan, 3, index, 2, rng) for index in range(2))
+    users = [user for user, _ in first + second]
+    assert len(users) == len(set(users)) == 6
+    with pytest.raises(SystemExit, match="ask 8 users the node has not seen; the workload has 6"):
+        cold_jobs(plan, 4, 0, 2, rng)
+
+
+def test_a_users_second_question_is_another_of_its_questions() -> None:
+    workload = synthetic_workload(3, 3, clauses=1)
+    jobs = workload.jobs(3, random.Random(0))
+    seconds = workload.second_questions(jobs, random.Random(1))
+    assert [user for user, _ in seconds] == [user for user, _ in jobs]
+    assert all(q2 != q1 and q2 in workload.questions[user] for (user, q1), (_, q2) in zip(jobs, seconds, strict=True))
+
+
+def test_measured_contenders_keep_the_runs_order_and_refuse_unknown_names() -> None:
+    contenders = {"kv": {}, "text": {}, "text-stable": {}, "off": {}, "kv-auto": {}}
+    assert list(measured_contenders(contenders, ["off", "kv"])) == ["kv", "off"]
+    assert measured_contenders(contenders, None) is contenders
+    with pytest.raises(SystemExit, match="kv-host not in this run"):
+        measured_contenders(contenders, ["kv-host"])
+
+
+def test_a_kv_request_the_miss_policy_prefilled_counts_apart_when_the_run_allows_it() -> None:
+    from benchmarks.serve_requests import prefilled_instead
+
+    summary = {"mode": "kv", "facts": 20, "kv_facts": 20, "injectable_tokens": 700}
+    assert memory_lost(summary, KV, 20, cached_tokens=96, prefilled_ok=True) is None
+    assert prefilled_instead(summary, KV, 96) and not prefilled_instead(summary, KV, 704)
+    assert not prefilled_instead({**summary, "served_as": "text"}, {"mode": "kv"}, 0)  # kv-auto's crossover
+    assert not prefilled_instead(summary, {"mode": "text"}, 0)
+
+
+def test_report_gives_the_issues_ratios_differences_and_connector_deltas(capsys) -> None:
+    def with_engine(row: dict, p50: float, **connector: float) -> dict:
+        return {**row, "engine_ttft_ms": {**row["engine_ttft_ms"], "p50": p50},
+                "connector": {"source_gbps": None, "host_gbps": None, **connector}, "prefilled": 0}
+
+    rows = {"kv": with_engine(_row(3), 20.0, partial_loads=4, facts_fetched=80, source_bytes_fetched=2e9,
+                              source_fetch_micros=1e6, source_gbps=2.0),
+            "text": with_engine(_row(2), 16.0), "off": with_engine(_row(1), 8.0),
+            "kv-auto": with_engine(_row(2), 15.0, partial_loads=16),
+            "kv-host": with_engine(_row(1.25), 10.0, host_tier_hits=60, host_gbps=25.0),
+            "kv-second": with_engine(_row(1.5), 11.0, warmed_chunks=0)}
+    report({name: {"20": row} for name, row in rows.items()}, "cold", node_cache_mb=96)
+    out = capsys.readouterr().out
+    assert "engine TTFT kv/text: mean 1.50, p50 1.25" in out
+    assert "engine TTFT kv-auto/text: mean 1.00, p50 0.94" in out
+    assert "engine TTFT kv-host - off: mean +2.0 ms, p50 +2.0 ms" in out
+    assert "engine TTFT kv-second - off: mean +4.0 ms, p50 +3.0 ms" in out
+    assert "byte path (node's measure, kv and kv-auto's fetches): 2.00 GB/s" in out
+    partial = next(line for line in out.splitlines() if line.startswith("Connector: partial loads"))
+    assert partial.split()[3:] == ["4", "16"]  # kv's and kv-auto's: the columns without any stay empty
+    assert "Host tier to device (GB/s)" in out and "25.00" in out
