@@ -13,17 +13,32 @@
 #   bash benchmarks/device_run.sh OUT long                # ~6,500 memory tokens: 1 in flight, then 32 in flight
 #   bash benchmarks/device_run.sh OUT prepare-throughput  # 128 users x 50 facts ($THROUGHPUT_USERS), node cache for them
 #   bash benchmarks/device_run.sh OUT throughput          # 128 in flight, each request the user's whole memory
-#   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts
-#   bash benchmarks/device_run.sh OUT prepare-cold        # 64 ($COLD_USERS) users' KV, a node cache for two
-#   bash benchmarks/device_run.sh OUT cold                # 1 and 2 in flight (the node cache holds two users); kv-warm: two users whose KV is cached
+#   bash benchmarks/device_run.sh OUT varying             # 128 in flight, k = 10 and 20 of each user's 50 facts (servers:
+#                                                         #   $VARYING_SERVERS, default throughput; defaults-128 after
+#                                                         #   DEFAULTS_USERS=128 prepare-defaults)
+#   bash benchmarks/device_run.sh OUT prepare-cold        # 2 x $COLD_REQUESTS users' KV (x3: kv, kv-auto, kv-host), node at its
+#                                                         #   defaults but a device tier for two users (miss policy auto)
+#   bash benchmarks/device_run.sh OUT cold                # 1 and 2 in flight, $COLD_REQUESTS (16) requests each, every user new to
+#                                                         #   the node: kv, kv-auto, text, text-stable, off, kv-warm (device
+#                                                         #   tier), kv-host (host tier), kv-second (a user's second question)
+#   bash benchmarks/device_run.sh OUT prepare-cold-wait   # the cold servers' memories, a new node with --kv-miss-policy wait
+#   bash benchmarks/device_run.sh OUT cold-wait           # kv forced to inject (fully cold), text, text-stable, off; 1 and 2 in flight
+#   bash benchmarks/device_run.sh OUT prepare-defaults    # $DEFAULTS_USERS (32) users x 50 facts, node flags only dtype, length, GPU share
+#   bash benchmarks/device_run.sh OUT defaults            # whole memory (k=50), $DEFAULTS_USERS in flight, 3 requests per user:
+#                                                         #   kv, kv-auto, text, text-stable, off; partial loads and load failures
 #   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
 #   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding
 #   bash benchmarks/device_run.sh OUT stop                # stops every prepared server
 #
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
 # Contenders kv (always injects), kv-auto (the node's crossover policy, where its users fit), text, text-stable, off.
+# Issue 41's GPU evidence: prepare-cold + cold, prepare-cold-wait + cold-wait, prepare-defaults + defaults (a prepare
+# and its measurement fit one call where the prepare is not cut; run the same call again if it is: it resumes).
+# On the CPU (a check of the stages, not a result): BENCH_SHAPE=llama-tiny BENCH_MODEL=<tokenizer folder>
+# BENCH_DTYPE=float32 COLD_REQUESTS=2 DEFAULTS_USERS=2 ...
 set -euo pipefail
-usage="usage: device_run.sh OUT_DIR prepare-latency|latency|long|prepare-throughput|throughput|varying|prepare-cold|cold|failure [RUNS]|memory-step|stop"
+usage="usage: device_run.sh OUT_DIR prepare-latency|latency|long|prepare-throughput|throughput|varying|prepare-cold|cold|\
+prepare-cold-wait|cold-wait|prepare-defaults|defaults|failure [RUNS]|memory-step|stop"
 out=${1:?$usage}
 stage=${2:?$usage}
 root=${INFERSCALE_BENCH_DIR:-/tmp/inferscale-bench}  # the prepared servers: state, data, logs
@@ -35,7 +50,15 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,mem
 if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
   python3 -c "import pynvml" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/site .gpu/wheels/*.whl
 fi
-common=(--shape llama3-8b --model .gpu/smollm2 --kv-dtype bfloat16 --fact-clauses 2 --max-tokens 32)
+dtype=${BENCH_DTYPE:-bfloat16}
+common=(--shape "${BENCH_SHAPE:-llama3-8b}" --model "${BENCH_MODEL:-.gpu/smollm2}" --kv-dtype "$dtype" --fact-clauses 2
+  --max-tokens "${BENCH_MAX_TOKENS:-32}")
+cold_requests=${COLD_REQUESTS:-16}  # per load (1 and 2 in flight), each for a user the node has not seen
+cold_users=${COLD_USERS:-$((2 * cold_requests))}
+cold_node="--dtype $dtype --max-model-len 4096 --gpu-memory-utilization 0.6"  # + a device tier for two users (serve)
+cold_prepare=(--workloads cold --cold-users "$cold_users" --cold-k 20 --facts-per-user 50 --kv-auto --tails
+  --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000")
+defaults_users=${DEFAULTS_USERS:-32}
 contenders=(--kv-auto --tails)
 quiet() { grep --line-buffered -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }
 serve() { python3 -m benchmarks.serve "$@" 2>&1 | quiet; }
@@ -61,10 +84,29 @@ attach() {  # servers NAME OUTPUT [serve flags]
   local status=${PIPESTATUS[0]}
   set -e
   if [ "$status" -ne 0 ] && grep -q "rerun the prepare stage\|no prepared servers" "$out/$output.txt"; then
-    echo "device_run: the $name servers are gone: run the prepare-$name stage again" >&2
+    echo "device_run: the $name servers are gone: run the ${prepare_stage:-prepare-$name} stage again" >&2
     exit 4
   fi
   return "$status"
+}
+pack_results() {  # OUTPUT: its folder (results.json, plots) as one file, OUTPUT.tgz: a call returns at most 8 files
+  [ -d "$out/$1" ] && tar -C "$out" -czf "$out/$1.tgz" "$1" && rm -rf "${out:?}/$1"
+  return 0
+}
+node_flags_of() {  # servers NAME -> the node flags its state records (empty if none)
+  python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['setup']['node_flags'])" \
+    "$root/$1/state.json" 2>/dev/null || true
+}
+need_node() {  # servers NAME, the prepare stage, wait|auto: exit 4 unless its node runs that miss policy
+  case $(node_flags_of "$1") in
+    *"--kv-miss-policy wait"*) policy=wait ;;
+    "") return 0 ;;  # no servers: attach says so
+    *) policy=auto ;;
+  esac
+  if [ "$policy" != "$3" ]; then
+    echo "device_run: the $1 node's miss policy is $policy, this stage needs $3: run the $2 stage first" >&2
+    exit 4
+  fi
 }
 latency_node="--dtype bfloat16 --max-model-len 8192 --gpu-memory-utilization 0.7 --node-cache-mb 16384 \
 --embed-queries-locally"
@@ -91,13 +133,31 @@ case $stage in
   throughput)
     attach throughput serve-throughput --workloads synthetic --k 50 --requests 256 --concurrency 128 --tails ;;
   varying)
-    attach throughput serve-varying --workloads synthetic --k 10 20 --requests 256 --concurrency 128 --tails ;;
-  prepare-cold)
-    prepare cold --workloads cold --cold-users "${COLD_USERS:-64}" --cold-k 50 --facts-per-user 50 --tails \
-      --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000" \
-      --node-flags "--dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.6 --embed-queries-locally" ;;
+    attach "${VARYING_SERVERS:-throughput}" serve-varying --workloads synthetic --k 10 20 --requests 256 \
+      --concurrency 128 --tails ;;
+  prepare-cold)  # the node's defaults (host tier, miss policy auto, warm-up) but a device tier for two users
+    prepare cold "${cold_prepare[@]}" --node-flags "$cold_node" ;;
   cold)
-    attach cold serve-cold --workloads cold --requests 32 --concurrency 1 2 --tails ;;
+    need_node cold prepare-cold auto
+    attach cold serve-cold --workloads cold --requests "$cold_requests" --concurrency 1 2 --kv-auto --tails \
+      --prefilled-ok
+    pack_results serve-cold ;;
+  prepare-cold-wait)  # the same memories (same state), a new node that waits for every miss: kv forced to inject
+    prepare cold "${cold_prepare[@]}" --node-flags "$cold_node --kv-miss-policy wait" ;;
+  cold-wait)
+    need_node cold prepare-cold-wait wait
+    prepare_stage=prepare-cold-wait attach cold serve-cold-wait --workloads cold --requests "$cold_requests" --concurrency 1 2 --kv-auto --tails \
+      --contenders kv text text-stable off
+    pack_results serve-cold-wait ;;
+  prepare-defaults)  # as a new user would: node flags only dtype, length and GPU share
+    prepare "defaults-$defaults_users" --workloads synthetic --users "$defaults_users" --facts-per-user 50 --k 50 \
+      --kv-auto --tails --service-flags "--embedding-threads 8" \
+      --node-flags "--dtype $dtype --max-model-len 4096 --gpu-memory-utilization 0.85" ;;
+  defaults)
+    prepare_stage=prepare-defaults attach "defaults-$defaults_users" serve-defaults --workloads synthetic --k 50 \
+      --requests "${DEFAULTS_REQUESTS:-$((3 * defaults_users))}" --concurrency "$defaults_users" --kv-auto --tails \
+      --prefilled-ok
+    pack_results serve-defaults ;;
   failure)
     stop_all  # the scenario starts engines of its own
     python3 -m benchmarks.gpu_failure_path --output "$out/failure-path" --work "$root/failure" \

@@ -45,9 +45,29 @@ def test_isolated_users_hold_the_same_memories_under_other_names() -> None:
     assert contender_users(plan, "text", namespaces) == {user: user for user in workload.users}
     memories = _memories([plan], contenders, namespaces)
     assert memories.users == ["bench-user-0", "bench-user-1", "bench-user-0.kv-auto", "bench-user-1.kv-auto",
-                              "bench-user-0.kv-warm"]
+                              "bench-user-0.kv-warm", "bench-user-0.kv-host", "bench-user-1.kv-host"]
+    # kv-second asks kv's own users their second question: no copies
+    assert contender_users(plan, "kv-second", namespaces) == contender_users(plan, "kv", namespaces)
+    assert "kv-second" not in namespaces and namespaces["kv-host"] == "kv-host"
     assert memories.facts["bench-user-1.kv-auto"] == workload.facts["bench-user-1"]
     assert memories.questions["bench-user-0.kv-warm"] == workload.questions["bench-user-0"]
+
+
+def test_another_node_on_prepared_memories_when_only_the_node_flags_differ(tmp_path: Path) -> None:
+    from benchmarks.serve import _only_node_flags_differ, _replace_node
+
+    setup = {"workloads": ["cold"], "cold_users": 4, "node_flags": "--dtype float32", "namespaces": {}}
+    waiting = {**setup, "node_flags": "--dtype float32 --kv-miss-policy wait"}
+    assert _only_node_flags_differ(setup, waiting)
+    assert not _only_node_flags_differ(setup, {**waiting, "cold_users": 8})
+    assert not _only_node_flags_differ(setup, setup)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    session = Session(str(tmp_path), str(tmp_path / "state.json"), dict(setup), done=["ingest", "kv", "warm:cold"])
+    session.node = ServerProcess(sleeper.pid, "time.sleep", "http://127.0.0.1:9", own_session=True)
+    _replace_node(session, waiting["node_flags"])
+    assert sleeper.wait(timeout=30) != 0
+    loaded = Session.load(tmp_path / "state.json")
+    assert loaded.node is None and loaded.done == ["ingest", "kv"] and loaded.setup == waiting
 
 
 def test_a_session_survives_its_state_file_and_stops_its_processes_by_pid(tmp_path: Path) -> None:
@@ -89,6 +109,10 @@ def test_device_run_names_its_stages_and_a_measuring_stage_without_its_servers_e
     assert orphan.returncode == 4, orphan.stdout[-2000:] + orphan.stderr[-2000:]
     assert "run the prepare-throughput stage again" in orphan.stderr
     assert "no prepared servers" in (tmp_path / "out" / "serve-throughput.txt").read_text()
+    for stage, prepare in (("cold", "prepare-cold"), ("cold-wait", "prepare-cold-wait"),
+                           ("defaults", "prepare-defaults")):
+        orphan = _device_run(tmp_path, stage)
+        assert orphan.returncode == 4 and f"run the {prepare} stage again" in orphan.stderr, orphan.stderr[-2000:]
     assert _device_run(tmp_path, "stop").returncode == 0
 
 
