@@ -23,12 +23,13 @@ from harness.memory_service import MemoryServiceProcess
 # The node stack most node tests share. Its memory service keeps no host tier, so that disk corruption reaches the
 # node; its fp32 tiny-Llama node injects every fact with KV unless a request asks for a tail, and a request whose KV
 # is not resident waits for it (--kv-miss-policy wait: what each test loads does not hang on measured speeds; the
-# policy's other outcomes are tested in the engine scenario, tests/inference_node/test_engine_node_cache.py).
+# policy's other outcomes are tested in the engine scenario, tests/inference_node/test_engine_node_cache.py); it keeps
+# a host tier, which a CPU node has none of by default.
 NODE_SERVICE_FLAGS = ("--kv-host-budget-mb", "0")
 # A service whose tests play workers uploading made-up KV, which the sampled audit would rightly withdraw.
 UNAUDITED = ("--kv-audit-share", "0")
 NODE_FLAGS = ("--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--retrieve-timeout-s", "30",
-              "--recompute-tail-facts", "0", "--kv-miss-policy", "wait")
+              "--recompute-tail-facts", "0", "--kv-miss-policy", "wait", "--host-tier-mb", "64")
 
 
 class ServerPool:

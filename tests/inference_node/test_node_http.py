@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 QUESTION = "def answer(question):"
 user = Users(__name__)
 K_FACTS = [f"Fact {i}: the user likes item {i * 7} and visits place {i * 3} on day {i}." for i in range(6)]
+WARM_FACTS = ["Mina grows basil on her balcony.", "Mina rides a green bicycle.", "Mina works at the harbour office.",
+              "Mina sings in a choir on Thursdays.", "Mina's cat is called Pepper.", "Mina bakes rye bread on Sundays."]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,7 @@ def node(shared_node, node_memory_service, node_stub, tiny_llama_dir):
         "vanishing": ["Bob repairs old radios in his garage."],
         "openai": ["Carol collects maps of imaginary islands."],
         "cold": ["Dana restores sailing boats in winter."],
+        "warm": WARM_FACTS,
     }
     for name, texts in ingest.items():
         node_stub.IngestFacts(pb.IngestFactsRequest(user_id=user(name), facts=[
@@ -230,6 +233,25 @@ def test_a_node_cache_miss_loads_async_and_the_repeat_loads_from_the_node_cache(
     assert (first.summary["load"], first.summary["tokens_loaded"]) == ("waited", first.summary["injectable_tokens"])
     assert (second.summary["load"], second.summary["tokens_loaded"]) == ("resident",
                                                                          second.summary["injectable_tokens"])
+
+
+def test_a_users_first_request_warms_its_other_facts_and_the_next_request_copies_them_from_the_host_tier(
+        node) -> None:
+    """A cold user's first kv request (2 facts of 6) has the node fetch the 4 others into its host tier; the next
+    request, about other facts, finds them there: a host-to-device copy, nothing fetched from the memory service."""
+    counts = {name: _connector_count(node, name) for name in ("warmed_chunks", "facts_fetched", "host_tier_hits")}
+    first = complete(node, "What does Mina grow on her balcony, and what does she ride?",
+                     {"user_id": user("warm"), "mode": "kv", "top_k": 2})
+    assert first.summary["load"] == "waited" and first.summary["kv_facts"] == 2
+    time.sleep(2.0)  # the warm-up's fetch (4 small facts) ends on its own thread; the next step reports it
+    second = complete(node, "What is Mina's cat called, and what does she bake?",
+                      {"user_id": user("warm"), "mode": "kv", "top_k": 2})
+    assert second.summary["load"] == "waited" and second.summary["kv_facts"] == 2
+    assert _wait_for_count(node, "warmed_chunks", counts["warmed_chunks"] + 4) == counts["warmed_chunks"] + 4
+    assert _wait_for_count(node, "host_tier_hits", counts["host_tier_hits"] + 2) >= counts["host_tier_hits"] + 2
+    # The first request's 2 facts (and the header, unless another user's request brought it), and the warm-up's 4:
+    # nothing for the second request.
+    assert _connector_count(node, "facts_fetched") - counts["facts_fetched"] in (2 + 4, 3 + 4)
 
 
 def test_kv_lost_between_retrieval_and_load_is_recomputed(node, node_memory_service) -> None:
