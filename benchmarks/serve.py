@@ -271,10 +271,11 @@ def connector_deltas(before: Mapping[str, float], after: Mapping[str, float]) ->
     """The connector counters' changes over a run (CONNECTOR_DELTAS), with the bandwidths the node measured: the
     memory service's bytes over the time its fetches took (`source_gbps`, the byte path) and the host tier's bytes
     over the time its host-to-device copies took (`host_gbps`), None where nothing moved."""
-    deltas: dict[str, float | None] = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in CONNECTOR_DELTAS}
+    counts = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in CONNECTOR_DELTAS}
+    deltas: dict[str, float | None] = dict(counts)
     for rate, (moved, micros) in (("source_gbps", ("source_bytes_fetched", "source_fetch_micros")),
                                   ("host_gbps", ("host_bytes_copied", "host_copy_micros"))):
-        deltas[rate] = deltas[moved] / deltas[micros] / 1e3 if deltas[micros] else None
+        deltas[rate] = counts[moved] / counts[micros] / 1e3 if counts[micros] else None
     return deltas
 
 
