@@ -271,7 +271,8 @@ def main(mode: str, args: list[str]) -> None:
         """Lets a prefetch that outlived its requests settle: what an engine step does, without a request (an idle
         engine takes no steps)."""
         deadline = time.monotonic() + timeout_s
-        while any(directory.fetch_id(key) is not None for key in chunk_keys) and time.monotonic() < deadline:
+        while (any(directory.fetch_id(key) is not None or key in directory._warming for key in chunk_keys)
+               and time.monotonic() < deadline):
             scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker.build_worker_meta()))
             time.sleep(0.05)
 
@@ -378,6 +379,7 @@ def main(mode: str, args: list[str]) -> None:
         step(name, kv)
         wait_settled()
         result[f"{name}_resident_later"] = resident()
+        result[f"{name}_on_host_later"] = [directory.is_on_host(chunk) for chunk in chunks]
     result["fetch_threads"] = sorted(set(source.threads))
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -379,7 +379,8 @@ INFERENCE_NODE = Dashboard(
                          "synchronous misses {{instance}}"))),
             Panel("Node-cache tiers: where missing chunks came from",
                   "Chunks brought into the device tier per second: copied from the node's host tier, or fetched "
-                  "from the memory service; and chunks a user's first request warmed into the host tier.", "short",
+                  "from the memory service; and chunks ordered into the host tier in the background (a user's "
+                  "warm-up, what a partial load left out).", "short",
                   (Query(f"sum by (instance) (rate(inferscale_connector_host_tier_hits_total[{RATE}]))",
                          "host tier {{instance}}"),
                    Query(f"sum by (instance) (rate(inferscale_connector_facts_fetched_total[{RATE}]))",

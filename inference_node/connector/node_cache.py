@@ -369,6 +369,8 @@ class NodeCacheDirectory:
             self._host.settle(key, not fetch.failed, coldest=True)
             if not fetch.failed:
                 self._unused_warm.add(key)
+            else:
+                self._failed_at[key] = fetch.ordered_at
 
     def drop(self, keys: Iterable[KvKey]) -> None:
         """A synchronous load of these chunks failed in a worker: no longer trusted, evicted from every rank's

@@ -276,13 +276,20 @@ class InferScaleScheduler:
     def _resident_prefix(self, admission: _Admission, proof: ProvenPrefix, chunks: tuple[ChunkLoad, ...],
                          missing: list[ChunkLoad], first_missing: int) -> int:
         """The end of the request's resident prefix (it holds the chunks before it, all resident), ordering the
-        missing chunks nobody fetches yet into the node cache in the background, where they fit."""
+        missing chunks nobody fetches yet brought in the background for the user's next request: into the host tier
+        where the node keeps one (one copy away then, and no other user's device-tier chunk evicted for them; a GPU
+        run with a device tier for two users found background fetches refused for room there, so the next request
+        fetched them again), else into the device tier where they fit."""
         self._hold(admission, [chunk for chunk in chunks if chunk.offset < first_missing])
         now = self._clock()
-        to_fetch = [chunk for chunk in missing if self._directory.fetch_id(chunk.key) is None
-                    and not self._directory.recently_failed(chunk.key, now, BACKGROUND_RETRY_S)]
-        if to_fetch:
-            self._directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s)
+        directory = self._directory
+        to_fetch = [chunk for chunk in missing if directory.fetch_id(chunk.key) is None
+                    and not directory.is_on_host(chunk)
+                    and not directory.recently_failed(chunk.key, now, BACKGROUND_RETRY_S)]
+        if to_fetch and directory.host_budget_bytes:
+            self._stats.add("warmed_chunks", directory.warm(proof.user_id, to_fetch, now, self._fetch_wait_s))
+        elif to_fetch:
+            directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s)
         return min(proof.end, first_missing)
 
     def _fall_back(self, request: Request, why: str) -> None:

@@ -31,7 +31,8 @@ COUNTERS = {
     "host_copy_micros": "microseconds those host-to-device copies took (per rank)",
     "partial_loads": "requests the miss policy served at once: the resident prefix of their memory loaded, the rest "
                      "prefilled by vLLM while its chunks were fetched in the background",
-    "warmed_chunks": "chunks of a user's other facts ordered into the host tier when the user's request arrived",
+    "warmed_chunks": "chunks ordered into the host tier in the background: a user's next facts when the user's "
+                     "request arrived (a warm-up), and what a partial load left out",
     "sync_misses": "synchronous loads that found a chunk missing from a rank's node cache (a defect; per rank)",
     "plans_refused": "requests whose load plan was unsigned, altered, for another profile or salt, or with LoRA",
 }

@@ -552,3 +552,26 @@ def test_the_request_finished_answer_says_what_became_of_the_memory(monkeypatch,
                             lora_request=None)
     _step(scheduler, plain)
     assert scheduler.request_finished(plain) is None
+
+
+def test_what_a_partial_load_left_out_comes_into_the_host_tier_and_the_next_request_copies_it(monkeypatch,
+                                                                                              clock) -> None:
+    """The GPU cold run (benchmarks/RESULTS.md): background fetches into a device tier for two users were refused for
+    room, so the users' next requests fetched everything again. With a host tier they go there, evicting nobody's
+    device-tier chunk, and the next request waits only for a host-to-device copy."""
+    scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="auto", host_tier_mb=1)
+    request = _with_header_resident(scheduler)
+    scheduler._miss_policy.source_bytes.per_second = 1.0  # the service's bytes: slower than prefill
+    answers, metadata = _step(scheduler, request)
+    assert answers == {"r1": len(HEADER)}
+    (spec,) = metadata.prefetches
+    assert not spec.to_device and [chunk.token_ids for chunk in spec.chunks] == [OTHER_FACT]
+    scheduler.update_connector_output(_connector_output(PrefetchReport(warmed=Counter(spec.keep_on_host)), set()))
+    nxt = _request("r2", plan=_plan(fact=OTHER_FACT), prompt=HEADER + list(OTHER_FACT) + [99])
+    scheduler._miss_policy.prefill_tokens.per_second = 100.0  # (this toy fact is 3 tokens: a real one is ~34)
+    answers, metadata = _step(scheduler, nxt)
+    assert answers == {"r2": None}  # a copy from the host tier is faster than prefilling the fact: it waits
+    (copy,) = metadata.prefetches
+    assert copy.to_device and copy.keep_on_host == frozenset()
+    _settle(scheduler, metadata)
+    assert _step(scheduler, nxt)[0] == {"r2": MEMORY}
