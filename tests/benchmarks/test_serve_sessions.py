@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,16 @@ def test_isolated_users_hold_the_same_memories_under_other_names() -> None:
     assert memories.questions["bench-user-0.kv-warm"] == workload.questions["bench-user-0"]
 
 
+def _sleeper() -> subprocess.Popen:
+    """A process standing in for a server, returned once its command line is its own (right after the fork it is
+    still the parent's, and a ServerProcess would not know it as the one started: a clean-clone run failed so)."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while b"time.sleep" not in Path(f"/proc/{sleeper.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sleeper
+
+
 def test_another_node_on_prepared_memories_when_only_the_node_flags_differ(tmp_path: Path) -> None:
     from benchmarks.serve import _only_node_flags_differ, _replace_node
 
@@ -61,7 +72,7 @@ def test_another_node_on_prepared_memories_when_only_the_node_flags_differ(tmp_p
     assert _only_node_flags_differ(setup, waiting)
     assert not _only_node_flags_differ(setup, {**waiting, "cold_users": 8})
     assert not _only_node_flags_differ(setup, setup)
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    sleeper = _sleeper()
     session = Session(str(tmp_path), str(tmp_path / "state.json"), dict(setup), done=["ingest", "kv", "warm:cold"])
     session.node = ServerProcess(sleeper.pid, "time.sleep", "http://127.0.0.1:9", own_session=True)
     _replace_node(session, waiting["node_flags"])
@@ -71,7 +82,7 @@ def test_another_node_on_prepared_memories_when_only_the_node_flags_differ(tmp_p
 
 
 def test_a_session_survives_its_state_file_and_stops_its_processes_by_pid(tmp_path: Path) -> None:
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    sleeper = _sleeper()
     session = Session(str(tmp_path / "work"), str(tmp_path / "state.json"), {"workloads": ["synthetic"]})
     session.node = ServerProcess(sleeper.pid, "time.sleep", "http://127.0.0.1:9", "node.log", own_session=True)
     assert not ServerProcess(sleeper.pid, "inference_node").running()  # that pid is not a node
