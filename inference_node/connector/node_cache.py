@@ -239,10 +239,9 @@ class NodeCacheDirectory:
         return failed_at is not None and now - failed_at < within_s
 
     def knows_other_tokens(self, chunk: ChunkLoad) -> bool:
-        """The chunk's key is resident, being fetched or warming, in either tier, with other token ids."""
-        known = [self._device.known_tokens(chunk.key), self._host.known_tokens(chunk.key)]
-        for fetch in (self._fetching.get(chunk.key), self._warming.get(chunk.key)):
-            known.append(fetch.token_ids if fetch is not None else None)
+        """The chunk's key is resident, being fetched or warming, in either tier, with other token ids (a fetch or a
+        warm-up reserves its tier's room under the token ids it was ordered with)."""
+        known = (self._device.known_tokens(chunk.key), self._host.known_tokens(chunk.key))
         return any(tokens is not None and tokens != chunk.token_ids for tokens in known)
 
     def hold(self, keys: Iterable[KvKey]) -> None:
