@@ -3,7 +3,7 @@ and CPU seconds per GB, from the service's host cache and from its durable tier,
 on S3 (SeaweedFS on this machine).
 
     python -m benchmarks.byte_path [--store dir s3] [--users 2] [--facts-per-user 30] [--k 20] [--streams 1 4]
-        [--callers 1 2] [--duration-s 6] [--legacy]
+        [--callers 1 2] [--duration-s 6] [--fetch-process] [--legacy]
 
 For each store: starts a memory service, has the synthetic worker compute Llama-3-8B-shaped bf16 KV (~4.4 MiB per
 fact) for every user's facts, asks RetrieveAndStage for each user's top k (as a node does) and then, per phase, runs
@@ -12,8 +12,11 @@ decoded into bf16 host tensors of every head (as MemoryServiceKv hands them to t
 `host` (the service's default host cache, warmed first) and `durable` (the same data, the service restarted with
 --kv-host-budget-mb 0: every blob read from the directory or the bucket; a directory's files sit in the OS page
 cache, so this is the service's read path, not the disk). `--streams` are MemoryServiceKv's concurrent FetchKv
-calls per fetch; `--legacy` adds the path before (one FetchKv, each reply parsed into a protobuf message, the blob
-copied by decode_kv_blob, then the heads copied). CPU seconds count this process, the service and SeaweedFS.
+calls per fetch, in this process; `--fetch-process` adds the serving path, the same fetch in a fetch process
+(inference_node.fetch_process) handing its decoded heads over through shared memory, copied out here; `--legacy` adds
+the path before (one FetchKv, each reply parsed into a protobuf message, the blob copied by decode_kv_blob, then the
+heads copied). CPU seconds count the node (this process, which stands for vLLM's engine process, and the fetch
+process), the service and SeaweedFS.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from benchmarks.memory_step import populate
 from demo.smollm2 import build_smollm2
 from harness.memory_service import MemoryServiceProcess
 from harness.servers import S3Endpoint, postgres_server, seaweedfs_s3
-from inference_node.connector.kv_source import MemoryServiceKv
-from inference_node.connector.node_cache import CachedKv
+from inference_node.fetch_process import FetchProcessKv
+from inference_node.kv_fetch import CachedKv, MemoryServiceKv
 from inference_node.plan import ChunkLoad
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
@@ -52,9 +55,11 @@ from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, K
 from inferscale_kv.layout import memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
+from inferscale_kv.shape import KvShape
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 Fetch = Callable[[str, list[ChunkLoad]], list[CachedKv]]
+NodePids = Callable[[], list[int]]  # the node's processes besides this one (a fetch process)
 
 
 def legacy_fetch(address: str) -> Fetch:
@@ -79,9 +84,19 @@ def legacy_fetch(address: str) -> Fetch:
     return fetch
 
 
-def new_fetch(address: str, streams: int) -> Fetch:
+def new_fetch(address: str, streams: int) -> tuple[Fetch, NodePids]:
     source = MemoryServiceKv(address, 60, slice(None), streams=streams)
-    return lambda user_id, chunks: source.fetch(user_id, chunks, torch.bfloat16)
+    return (lambda user_id, chunks: source.fetch(user_id, chunks, torch.bfloat16)), list
+
+
+def process_fetch(address: str, shape: KvShape) -> tuple[Fetch, NodePids]:
+    source = FetchProcessKv(address, 60, slice(0, shape.num_kv_heads), shape)
+    return ((lambda user_id, chunks: source.fetch(user_id, chunks, torch.bfloat16)),
+            lambda: [pid] if (pid := source.process_id) is not None else [])
+
+
+def legacy(address: str) -> tuple[Fetch, NodePids]:
+    return legacy_fetch(address), list
 
 
 def fetch_plan(service: MemoryServiceProcess, users: list[str], profile: pb.KvProfile, k: int,
@@ -104,23 +119,27 @@ def fetch_plan(service: MemoryServiceProcess, users: list[str], profile: pb.KvPr
     return plan
 
 
-def cpu_seconds(pids: list[int]) -> tuple[float, float]:
-    """CPU seconds of this process (every thread: the node's side), and of the processes `pids` and their children
-    (the service's side)."""
+def cpu_seconds(node_pids: list[int], pids: list[int]) -> tuple[float, float, float]:
+    """CPU seconds of this process (every thread: the engine's side of the node), of the node's other processes
+    `node_pids`, and of the processes `pids` and their children (the service's side)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process = psutil.Process(pid)
-            for each in [process, *process.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    times = each.cpu_times()
-                    total += times.user + times.system
-    return own.ru_utime + own.ru_stime, total
+
+    def total(roots: list[int]) -> float:
+        seconds = 0.0
+        for pid in roots:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(pid)
+                for each in [process, *process.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        times = each.cpu_times()
+                        seconds += times.user + times.system
+        return seconds
+
+    return own.ru_utime + own.ru_stime, total(node_pids), total(pids)
 
 
-def run_phase(fetch: Fetch, plan: dict[str, tuple[list[ChunkLoad], int]], callers: int, duration_s: float,
-              pids: list[int]) -> dict[str, Any]:
+def run_phase(fetch: Fetch, node_pids: NodePids, plan: dict[str, tuple[list[ChunkLoad], int]], callers: int,
+              duration_s: float, pids: list[int]) -> dict[str, Any]:
     users = sorted(plan)
     fetch(users[0], plan[users[0]][0])  # warm-up (connections, the host cache)
     moved, latencies, lock = [0], [], threading.Lock()
@@ -138,18 +157,21 @@ def run_phase(fetch: Fetch, plan: dict[str, tuple[list[ChunkLoad], int]], caller
                 moved[0] += sum(entry.nbytes for entry in fetched)
                 latencies.append(elapsed * 1000)
 
-    cpu_before, started = cpu_seconds(pids), time.perf_counter()
+    cpu_before, started = cpu_seconds(node_pids(), pids), time.perf_counter()
     threads = [threading.Thread(target=loop, args=(index,)) for index in range(callers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    wall, cpu_after = time.perf_counter() - started, cpu_seconds(pids)
-    node_cpu, service_cpu = (after - before for after, before in zip(cpu_after, cpu_before, strict=True))
+    wall, cpu_after = time.perf_counter() - started, cpu_seconds(node_pids(), pids)
+    engine_cpu, fetch_process_cpu, service_cpu = (
+        after - before for after, before in zip(cpu_after, cpu_before, strict=True))
+    node_cpu = engine_cpu + fetch_process_cpu
     gigabytes = moved[0] / 1e9
     return {"callers": callers, "fetches": len(latencies), "mb_per_fetch": round(moved[0] / len(latencies) / 1e6, 1),
             "gb_per_s": round(gigabytes / wall, 3), "cpu_s_per_gb": round((node_cpu + service_cpu) / gigabytes, 2),
             "node_cpu_s_per_gb": round(node_cpu / gigabytes, 2),
+            "engine_cpu_s_per_gb": round(engine_cpu / gigabytes, 2),
             "service_cpu_s_per_gb": round(service_cpu / gigabytes, 2), "p50_ms": round(statistics.median(latencies), 1)}
 
 
@@ -183,12 +205,14 @@ def main() -> None:
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 2], help="concurrent fetches")
     parser.add_argument("--duration-s", type=float, default=6.0)
     parser.add_argument("--tiers", nargs="+", choices=("host", "durable"), default=["host", "durable"])
+    parser.add_argument("--fetch-process", action="store_true",
+                        help="also measure the serving path: the fetch in a fetch process, shared memory")
     parser.add_argument("--legacy", action="store_true", help="also measure the path before (one stream, protobuf)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "byte_path.json")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer_dir = build_smollm2(REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct")
     users = [f"byte-user-{index:02d}" for index in range(args.users)]
@@ -196,10 +220,10 @@ def main() -> None:
                                "date": datetime.now(UTC).isoformat(timespec="seconds"),
                                "cpus": psutil.cpu_count(), "phases": []}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    paths: list[tuple[str, Callable[[str], Fetch]]] = [
+    paths: list[tuple[str, Callable[[str], tuple[Fetch, NodePids]]]] = [
         (f"streams={streams}", functools.partial(new_fetch, streams=streams)) for streams in args.streams]
     if args.legacy:
-        paths.insert(0, ("legacy", legacy_fetch))
+        paths.insert(0, ("legacy", legacy))
     with tempfile.TemporaryDirectory(prefix="byte-path-") as scratch:
         work = Path(scratch)
         model_dir = build_dummy_model(work / args.shape, args.shape, tokenizer_dir, "bfloat16")
@@ -207,6 +231,9 @@ def main() -> None:
         profile = pb.KvProfile(**build_model_profile(model_dir, tokenizer, "bfloat16",
                                                      DEFAULT_CONTEXT_WINDOW).as_dict())
         header_ids = tuple(memory_header_ids(tokenizer))
+        if args.fetch_process:
+            shape = KvShape.from_config(AutoConfig.from_pretrained(model_dir))
+            paths.append(("fetch process", functools.partial(process_fetch, shape=shape)))
         for kind in args.store:
             with store(kind, work) as (flags, env, _):
                 data = work / f"data-{kind}"
@@ -220,21 +247,23 @@ def main() -> None:
                         plan = fetch_plan(service, users, profile, args.k, header_ids)
                         pids = [service.pid, *(weed_pids() if kind == "s3" else [])]
                         for name, make in paths:
-                            fetch = make(service.address)
+                            fetch, node_pids = make(service.address)
                             for callers in args.callers:
                                 phase = {"store": kind, "tier": tier, "path": name,
-                                         **run_phase(fetch, plan, callers, args.duration_s, pids)}
+                                         **run_phase(fetch, node_pids, plan, callers, args.duration_s, pids)}
                                 results["phases"].append(phase)
                                 args.output.write_text(json.dumps(results, indent=2))
                                 print(json.dumps(phase), flush=True)
                     finally:
                         service.stop()
-    print("\n| store | tier | path | callers | MB/fetch | GB/s | CPU s/GB (node + service) | p50 ms |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("\n| store | tier | path | callers | MB/fetch | GB/s | CPU s/GB (node + service) | engine process CPU s/GB "
+          "| p50 ms |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for phase in results["phases"]:
         print(f"| {phase['store']} | {phase['tier']} | {phase['path']} | {phase['callers']} | "
               f"{phase['mb_per_fetch']} | {phase['gb_per_s']} | {phase['cpu_s_per_gb']} "
-              f"({phase['node_cpu_s_per_gb']} + {phase['service_cpu_s_per_gb']}) | {phase['p50_ms']} |")
+              f"({phase['node_cpu_s_per_gb']} + {phase['service_cpu_s_per_gb']}) | {phase['engine_cpu_s_per_gb']} | "
+              f"{phase['p50_ms']} |")
     print(f"\nwritten: {args.output}")
 
 

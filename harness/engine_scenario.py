@@ -126,7 +126,7 @@ def main(mode: str, args: list[str]) -> None:
 
     from inference_node.__main__ import kv_transfer_config
     from inference_node.connector import InferScaleConnector
-    from inference_node.connector.node_cache import CachedKv
+    from inference_node.kv_fetch import CachedKv
     from inference_node.memory_prompt import FactLines, plan_memory
     from inference_node.plan import ChunkLoad, LoadPlan, PlanFact, PlanSigner, plan_secret_from_env, provable_prefix
     from inference_node.settings import NodeSettings

@@ -143,16 +143,20 @@ def decode_kv_blob(blob: bytes, compute_dtype: torch.dtype = torch.float32) -> F
 
 
 def decode_kv_heads(blob: Buffer, compute_dtype: torch.dtype, heads: slice | None = None,
-                    pin_memory: bool = False) -> FactKv:
-    """Checks a blob (checksum read in place, no copy) and decodes the KV heads `heads` (all when None) into one new
-    host buffer of `compute_dtype` (pinned when `pin_memory`) that holds keys then values, each contiguous. When the
-    storage dtype is `compute_dtype` the heads are copied once, straight from `blob` (which may be read-only, e.g. the
-    bytes gRPC handed over) into that buffer, in native code: nothing per byte in Python. Other dtypes (fp8 among
-    them) are decoded by `decode_kv_blob`, then sliced and copied."""
+                    pin_memory: bool = False, out: torch.Tensor | None = None) -> FactKv:
+    """Checks a blob (checksum read in place, no copy) and decodes the KV heads `heads` (all when None) into one host
+    buffer of `compute_dtype` that holds keys then values, each contiguous: `out` when given (contiguous, of shape
+    [2, layers, tokens, heads, head_dim] and `compute_dtype`: CorruptKvBlob if the blob's shape is another), else a
+    new one (pinned when `pin_memory`). When the storage dtype is `compute_dtype` the heads are copied once, straight
+    from `blob` (which may be read-only, e.g. the bytes gRPC handed over) into that buffer, in native code: nothing
+    per byte in Python. Other dtypes (fp8 among them) are decoded by `decode_kv_blob`, then sliced and copied."""
     header = read_kv_header(blob)
     first, last, _ = (heads or slice(None)).indices(header.num_kv_heads)
     shape = (2, header.num_layers, header.num_tokens, max(0, last - first), header.head_dim)
-    out = torch.empty(shape, dtype=compute_dtype, pin_memory=pin_memory)
+    if out is None:
+        out = torch.empty(shape, dtype=compute_dtype, pin_memory=pin_memory)
+    elif tuple(out.shape) != shape or out.dtype != compute_dtype or not out.is_contiguous():
+        raise CorruptKvBlob(f"a blob of KV {shape} where {tuple(out.shape)} {out.dtype} was expected")
     dtype = _TORCH_DTYPES.get(header.storage_dtype)
     if dtype == compute_dtype:
         view = memoryview(blob).cast("B")

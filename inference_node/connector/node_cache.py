@@ -16,29 +16,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from inference_node.connector.metadata import PrefetchReport, PrefetchSpec
+from inference_node.kv_fetch import CachedKv
 from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
 
 _MAX_FAILURES_KEPT = 65_536  # failed fetches remembered (recently_failed)
-
-
-@dataclass(frozen=True)
-class CachedKv:
-    keys: torch.Tensor  # [layers, tokens, kv_heads, head_dim], pre-RoPE, on the node's device
-    values: torch.Tensor
-    token_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.keys.dim() != 4 or self.keys.shape != self.values.shape or self.keys.shape[1] != len(self.token_ids):
-            raise ValueError(f"KV of shape {tuple(self.keys.shape)} / {tuple(self.values.shape)} for "
-                             f"{len(self.token_ids)} token ids")
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
 
 
 class NodeKvCache:

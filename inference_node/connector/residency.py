@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from inference_node.connector.kv_source import KvSource
-from inference_node.connector.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.node_cache import NodeKvCache
+from inference_node.kv_fetch import CachedKv
 from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
 from inferscale_kv.shape import KvShape

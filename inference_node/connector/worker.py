@@ -26,10 +26,11 @@ from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_in
 from inference_node.connector.kv_source import KvSource, kv_source
 from inference_node.connector.load_timer import LoadTimer, load_timer
 from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
-from inference_node.connector.node_cache import CachedKv, NodeKvCache
+from inference_node.connector.node_cache import NodeKvCache
 from inference_node.connector.residency import FetchCounts, KvResidency, NotResident
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard, current_shard
+from inference_node.kv_fetch import CachedKv
 from inference_node.settings import NodeSettings
 from inferscale_kv.rope import RotaryTables
 from inferscale_kv.shape import KvShape

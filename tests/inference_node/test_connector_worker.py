@@ -16,12 +16,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from inference_node.connector.kv_source import MemoryServiceKv, SyntheticKv, kv_source
+from inference_node.connector.kv_source import SyntheticKv, kv_source
 from inference_node.connector.load_timer import UNTIMED, JsonLinesLoadTimer, load_timer
 from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
-from inference_node.connector.node_cache import CachedKv
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard
 from inference_node.connector.worker import InferScaleWorker
+from inference_node.fetch_process import FetchProcessKv
+from inference_node.kv_fetch import CachedKv
 from inference_node.plan import ChunkLoad
 from inference_node.settings import NodeSettings
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
@@ -90,7 +91,9 @@ def _load(worker: InferScaleWorker, layers: dict, request_id: str) -> None:
 
 
 def test_the_settings_choose_the_kv_source_and_the_load_timer_once(tmp_path: Path) -> None:
-    assert isinstance(kv_source(_settings(), HF_CONFIG), MemoryServiceKv)
+    serving = kv_source(_settings(), HF_CONFIG, KvHeadShard(1, 2))
+    assert isinstance(serving, FetchProcessKv) and serving.rank_shape == KvShape(LAYERS, 1, HEAD_DIM)
+    serving.close()
     synthetic = kv_source(_settings(synthetic_kv=True), HF_CONFIG, KvHeadShard(1, 2))
     assert isinstance(synthetic, SyntheticKv) and synthetic.rank_shape == KvShape(LAYERS, 1, HEAD_DIM)
     (entry,) = synthetic.fetch("u1", CHUNKS[1:], torch.bfloat16)

@@ -10,7 +10,8 @@ import torch
 
 from inference_node.connector.compose import ChunkSlice
 from inference_node.connector.metadata import PrefetchReport
-from inference_node.connector.node_cache import CachedKv, NodeCacheDirectory, NodeKvCache
+from inference_node.connector.node_cache import NodeCacheDirectory, NodeKvCache
+from inference_node.kv_fetch import CachedKv
 from inference_node.plan import ChunkLoad
 from inferscale_kv.kv_key import KvKey
 

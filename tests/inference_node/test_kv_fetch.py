@@ -1,4 +1,4 @@
-"""The node's byte path (inference_node.connector.kv_source.MemoryServiceKv): a fetch's chunks over several concurrent
+"""The node's byte path (inference_node.kv_fetch.MemoryServiceKv): a fetch's chunks over several concurrent
 FetchKv calls, each blob checked (checksum, key, token ids) and decoded into this rank's heads without a Python pass
 over its bytes; against the real memory service, and against a stand-in that serves what a broken one would."""
 
@@ -6,34 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
-from inference_node.connector.kv_source import MemoryServiceKv, fetch_reply_blob
+from inference_node.kv_fetch import MemoryServiceKv, fetch_reply_blob
 from inference_node.plan import ChunkLoad
 from inferscale.v1 import memory_pb2 as pb
-from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.blob import CorruptKvBlob, KvBlobHeader, decode_kv_blob, decode_kv_heads, encode_kv_blob
-from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
+from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob, decode_kv_heads
+from inferscale_kv.kv_key import KvKey
 from memory_service.kv_tiers import blob_name
 from memory_service.servicer import fetch_kv_response_bytes
-from tests.inference_node.conftest import random_kv, tiny_profile, upload_custom_kv
+from tests.inference_node.conftest import kv_blob, random_kv, stored_chunks, tiny_profile
 from tests.stacks import Users
 
 user = Users(__name__)
-FACTS = [f"Fact number {index}: Quinn keeps {index + 2} goldfish in tank {index}." for index in range(9)]
-
-
-def _blob(key: KvKey, token_ids: tuple[int, ...], seed: int, storage_dtype: str = "bfloat16") -> bytes:
-    keys, values = random_kv(len(token_ids), seed)
-    header = KvBlobHeader(key.profile_id, key.user_id, key.fact_id, key.version, storage_dtype, *keys.shape[:1],
-                          len(token_ids), keys.shape[2], keys.shape[3], token_ids, key.content_id)
-    return encode_kv_blob(header, keys, values)
 
 
 # ---------------------------------------------------------------------------------------------- decoding in place
@@ -41,7 +30,7 @@ def _blob(key: KvKey, token_ids: tuple[int, ...], seed: int, storage_dtype: str 
 @pytest.mark.parametrize("storage_dtype", ["bfloat16", "float32", "float16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads", [None, slice(0, 1), slice(1, 2)])
 def test_decoding_a_rank_s_heads_in_place_equals_decoding_the_blob_then_slicing(storage_dtype, heads) -> None:
-    blob = _blob(KvKey("p", "u", "f", 1, "0" * 32), tuple(range(5)), 3, storage_dtype)
+    blob = kv_blob(KvKey("p", "u", "f", 1, "0" * 32), tuple(range(5)), 3, storage_dtype)
     for dtype in (torch.bfloat16, torch.float32):
         reference = decode_kv_blob(blob, dtype)
         decoded = decode_kv_heads(memoryview(blob), dtype, heads)  # a read-only buffer, as gRPC hands it over
@@ -70,31 +59,11 @@ def profile(tiny_llama_dir) -> pb.KvProfile:
     return tiny_profile(tiny_llama_dir)
 
 
-def _stored_chunks(stub, profile: pb.KvProfile, user_id: str) -> list[ChunkLoad]:
-    """Stores FACTS with made-up KV for `user_id`; returns them as a node asks for them (RetrieveAndStage's names)."""
-    stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[
-        pb.FactInput(fact_id=f"f{index}", text=text) for index, text in enumerate(FACTS)]))
-    request = pb.RetrieveAndStageRequest(user_id=user_id, query="goldfish", profile=profile, node_id="kv-source",
-                                         top_k=len(FACTS))
-    stub.RetrieveAndStage(request)
-    upload_custom_kv(stub, profile, user_id,
-                     lambda item: (*random_kv(3 + int(item.fact_id[1:]), int(item.fact_id[1:])),
-                                   list(range(100, 103 + int(item.fact_id[1:])))))
-    retrieved = stub.RetrieveAndStage(request)
-    assert all(fact.kv_ready for fact in retrieved.facts) and len(retrieved.facts) == len(FACTS)
-    chunks, offset = [], 0
-    for fact in sorted(retrieved.facts, key=lambda fact: fact.fact_id):
-        chunks.append(ChunkLoad(KvKey(profile.profile_id, user_id, fact.fact_id, fact.version, fact.content_id),
-                                tuple(fact.token_ids), offset))
-        offset += len(fact.token_ids)
-    return chunks
-
-
 @pytest.mark.parametrize("streams", [1, 4])
 def test_a_fetch_over_parallel_streams_returns_every_chunk_in_the_order_asked(node_memory_service, node_stub, profile,
                                                                               streams) -> None:
     user_id = user(f"ordered-{streams}")
-    chunks = _stored_chunks(node_stub, profile, user_id)
+    chunks = stored_chunks(node_stub, profile, user_id)
     random.Random(streams).shuffle(chunks)
     source = MemoryServiceKv(node_memory_service.address, 30, slice(0, 2), streams=streams)
     fetched = source.fetch(user_id, chunks, torch.float32)
@@ -110,7 +79,7 @@ def test_a_fetch_over_parallel_streams_returns_every_chunk_in_the_order_asked(no
 
 def test_a_deleted_fact_is_never_fetched_and_fails_the_whole_fetch(node_memory_service, node_stub, profile) -> None:
     user_id = user("deleted")
-    chunks = _stored_chunks(node_stub, profile, user_id)
+    chunks = stored_chunks(node_stub, profile, user_id)
     source = MemoryServiceKv(node_memory_service.address, 30, slice(0, 2), streams=4)
     assert len(source.fetch(user_id, chunks, torch.float32)) == len(chunks)
     node_stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user_id, fact_ids=[chunks[-1].key.fact_id]))
@@ -121,7 +90,7 @@ def test_a_deleted_fact_is_never_fetched_and_fails_the_whole_fetch(node_memory_s
 
 def test_a_blob_asked_for_under_another_content_id_is_not_served(node_memory_service, node_stub, profile) -> None:
     user_id = user("renamed")
-    chunks = _stored_chunks(node_stub, profile, user_id)
+    chunks = stored_chunks(node_stub, profile, user_id)
     renamed = ChunkLoad(dataclasses.replace(chunks[0].key, content_id="f" * 32), chunks[0].token_ids, 0)
     source = MemoryServiceKv(node_memory_service.address, 30, slice(0, 2), streams=4)
     with pytest.raises(LookupError):
@@ -131,7 +100,7 @@ def test_a_blob_asked_for_under_another_content_id_is_not_served(node_memory_ser
 def test_a_blob_corrupted_in_the_durable_tier_is_refused(node_memory_service, node_stub, profile) -> None:
     """The service checks what it reads (and queues the fact again); the node gets no KV for it, never the bytes."""
     user_id = user("corrupt-on-disk")
-    chunks = _stored_chunks(node_stub, profile, user_id)
+    chunks = stored_chunks(node_stub, profile, user_id)
     path = Path(node_memory_service.data_dir) / "kv" / "blobs" / blob_name(chunks[4].key)
     data = bytearray(path.read_bytes())
     data[-7] ^= 0xFF
@@ -142,48 +111,6 @@ def test_a_blob_corrupted_in_the_durable_tier_is_refused(node_memory_service, no
 
 
 # ---------------------------------------------------------------------------------------------- a broken service
-
-class _Serving(memory_pb2_grpc.MemoryServiceServicer):
-    """Serves `blobs` by key as the real service frames them, through `tamper(key, blob)`; records each request."""
-
-    def __init__(self, blobs: dict[KvKey, bytes]) -> None:
-        self.blobs = blobs
-        self.requests: list[pb.FetchKvRequest] = []
-        self.tamper = lambda key, blob: blob
-        self.refuse: grpc.StatusCode | None = None
-
-    def FetchKv(self, request, context):
-        self.requests.append(request)
-        if self.refuse is not None:
-            context.abort(self.refuse, "refused")
-        keys = [KvKey(request.profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, request.header_content_id)
-                ] if request.include_header else []
-        keys += [KvKey(request.profile_id, request.user_id, ref.fact_id, ref.version, ref.content_id)
-                 for ref in request.facts]
-        for key in keys:
-            blob = self.tamper(key, self.blobs.get(key, b""))
-            yield pb.FetchKvResponse.FromString(fetch_kv_response_bytes(key, blob))
-
-
-@pytest.fixture
-def stand_in() -> Iterator[tuple[str, _Serving, list[ChunkLoad]]]:
-    header = KvKey("prof", HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "a" * 32)
-    chunks = [ChunkLoad(header, (1, 2, 3), 0)]
-    for index in range(7):
-        key = KvKey("prof", "stand-in-user", f"f{index}", 1, f"{index:032x}")
-        chunks.append(ChunkLoad(key, tuple(range(10, 12 + index)), 0))
-    servicer = _Serving({chunk.key: _blob(chunk.key, chunk.token_ids, index)
-                         for index, chunk in enumerate(chunks)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                         options=[("grpc.max_send_message_length", 64 << 20)])
-    memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}", servicer, chunks
-    finally:
-        server.stop(None)
-
 
 def test_the_header_and_the_facts_are_split_in_order_over_the_streams(stand_in) -> None:
     address, servicer, chunks = stand_in
@@ -210,7 +137,7 @@ def test_a_blob_that_fails_its_checks_fails_the_fetch(stand_in, tampering) -> No
         if tampering == "other key":
             return others[chunks[4].key]
         if tampering == "other tokens":
-            return _blob(victim, (9, 9, 9, 9, 9, 9), 1)
+            return kv_blob(victim, (9, 9, 9, 9, 9, 9), 1)
         return b""
 
     servicer.tamper = tamper

@@ -1,0 +1,216 @@
+"""The node's byte path: fact KV from the memory service into host tensors, this rank's heads only. Free of vLLM:
+it runs in the node's fetch process (inference_node.fetch_process), out of vLLM's engine process.
+
+`MemoryServiceKv` fetches a prefetch's chunks over a few concurrent streaming `FetchKv` calls (each on a connection of
+its own), each chunk asked for by its full key (content id included); each blob is checked (checksum, key, token ids)
+and decoded on the host as it arrives, in native code. Under tensor parallelism each rank keeps only its KV heads; the
+blob over the wire holds every head.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from inference_node.plan import ChunkLoad
+from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.blob import CorruptKvBlob, decode_kv_heads
+from inferscale_kv.call_credentials import NODE, memory_service_channel
+from inferscale_kv.kv_key import KvKey
+
+# Concurrent FetchKv calls per fetch, each on a connection of its own: one HTTP/2 connection is read by one thread of
+# gRPC's and tops out near 1.5 GB/s. On a host of few cores the extra streams only cost CPU (2 cores: 0.61 GB/s on
+# four against 0.64 on one; benchmarks/RESULTS.md, "The byte path"), so they are used from 8 cores up.
+FETCH_STREAMS = 4 if (os.cpu_count() or 1) >= 8 else 1
+FETCH_KV_METHOD = "/inferscale.v1.MemoryService/FetchKv"
+FETCH_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.use_local_subchannel_pool", 1),  # a connection per channel, not one shared by equal channels
+)
+_BLOB_FIELD = 3  # FetchKvResponse.blob
+
+
+def fetch_reply_blob(reply: bytes) -> memoryview:
+    """The `blob` field of a serialized FetchKvResponse, as a view into `reply` (no copy): parsing the message would
+    copy its megabytes twice. Walks the protobuf wire format (the last occurrence wins, as in protobuf); empty when
+    the field is absent; CorruptKvBlob when the bytes are not a well-formed message."""
+    view = memoryview(reply)
+    blob = view[:0]
+    position, end = 0, len(view)
+
+    def varint() -> int:
+        nonlocal position
+        value = shift = 0
+        while True:
+            if position >= end or shift > 63:
+                raise CorruptKvBlob("a FetchKv reply that is not a well-formed message")
+            byte = view[position]
+            position += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return value
+
+    while position < end:
+        tag = varint()
+        field, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            varint()
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == 2:
+            length = varint()
+            if field == _BLOB_FIELD:
+                blob = view[position: position + length]
+            position += length
+        else:
+            raise CorruptKvBlob(f"a FetchKv reply with wire type {wire_type}")
+        if position > end:
+            raise CorruptKvBlob("a FetchKv reply cut short")
+    return blob
+
+
+
+@dataclass(frozen=True)
+class CachedKv:
+    keys: torch.Tensor  # [layers, tokens, kv_heads, head_dim], pre-RoPE, on the node's device
+    values: torch.Tensor
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 4 or self.keys.shape != self.values.shape or self.keys.shape[1] != len(self.token_ids):
+            raise ValueError(f"KV of shape {tuple(self.keys.shape)} / {tuple(self.values.shape)} for "
+                             f"{len(self.token_ids)} token ids")
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+class MemoryServiceKv:
+    """Fetches over `streams` concurrent FetchKv calls, each on a channel (a TCP connection) of its own, the chunks
+    split between them in order; each reply's bytes are checked and decoded as they arrive, on the call's thread, by
+    native code (checksum read in place, one copy of this rank's heads into the tensor returned): nothing per byte in
+    Python, and a blob never parsed into a protobuf message (`fetch_reply_blob`)."""
+
+    def __init__(self, address: str, timeout_s: float, heads: slice, streams: int = FETCH_STREAMS,
+                 pin_memory: bool | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.streams = max(1, streams)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._heads = heads
+        self._fetches: list[Callable[..., Any]] = []
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
+              into: Sequence[torch.Tensor] | None = None) -> list[CachedKv]:
+        """As KvSource.fetch; with `into` (one contiguous [2, layers, tokens, heads, head_dim] buffer per chunk, in
+        chunk order), each chunk's keys and values are decoded into its buffer (the fetch process's shared arena)."""
+        if not chunks:
+            return []
+        buffers = dict(zip((chunk.key for chunk in chunks), into, strict=True)) if into is not None else {}
+        ordered = sorted(chunks, key=lambda chunk: not chunk.key.is_header)  # the header, if any, first
+        count = min(self.streams, len(ordered))
+        groups = [ordered[len(ordered) * index // count: len(ordered) * (index + 1) // count]
+                  for index in range(count)]
+        fetches, pool = self._connections()
+        state = _Streams()
+        futures = [pool.submit(self._fetch_group, fetches[index], user_id, group, dtype, state, buffers)
+                   for index, group in enumerate(groups[1:], start=1)]
+        fetched = self._fetch_group(fetches[0], user_id, groups[0], dtype, state, buffers)
+        for future in futures:
+            fetched.update(future.result())
+        if state.error is not None:
+            raise state.error
+        return [fetched[chunk.key] for chunk in chunks]
+
+    def _fetch_group(self, fetch: Callable[..., Any], user_id: str, group: Sequence[ChunkLoad], dtype: torch.dtype,
+                     state: _Streams, buffers: dict[KvKey, torch.Tensor]) -> dict[KvKey, CachedKv]:
+        """One FetchKv call for `group` (the header first, if in it), each blob checked and decoded as it comes; what
+        it fetched before the first failure of any stream (which `state` keeps, cancelling every stream)."""
+        header = group[0] if group[0].key.is_header else None
+        facts = group[1:] if header else group
+        request = pb.FetchKvRequest(
+            profile_id=group[0].key.profile_id, user_id=user_id, include_header=header is not None,
+            header_content_id=header.key.content_id if header else "",
+            facts=[pb.FactRef(fact_id=c.key.fact_id, version=c.key.version, content_id=c.key.content_id)
+                   for c in facts])
+        fetched: dict[KvKey, CachedKv] = {}
+        try:
+            call = state.started(fetch(request, timeout=self.timeout_s))
+            replies = iter(call)
+            for chunk in group:
+                reply = next(replies, None)
+                if state.error is not None:
+                    break
+                if reply is None:
+                    raise LookupError(f"memory service sent {len(fetched)} KV entries for {len(group)} requested")
+                blob = fetch_reply_blob(reply)
+                if not blob:
+                    raise LookupError(f"memory service has no KV for {chunk.key}")
+                kv = decode_kv_heads(blob, dtype, self._heads, self.pin_memory, buffers.get(chunk.key))
+                if kv.header.key != chunk.key or kv.header.token_ids != chunk.token_ids:
+                    raise CorruptKvBlob(f"{chunk.key}: the memory service sent KV of another key or other tokens")
+                fetched[chunk.key] = CachedKv(kv.keys, kv.values, kv.header.token_ids)
+            else:
+                if next(replies, None) is not None:
+                    raise LookupError(f"memory service sent more KV entries than the {len(group)} requested")
+        except Exception as error:  # kept for the caller, which raises the first
+            state.failed(error)
+        return fetched
+
+    def _connections(self) -> tuple[list[Callable[..., Any]], ThreadPoolExecutor]:
+        """One FetchKv callable per stream, each on a channel with a connection of its own (gRPC shares a connection
+        between channels of equal settings unless told not to), made once; and the threads of the extra streams."""
+        with self._lock:
+            if not self._fetches:
+                for _ in range(self.streams):
+                    channel = memory_service_channel(self.address, NODE, options=FETCH_CHANNEL_OPTIONS)
+                    self._fetches.append(channel.unary_stream(
+                        FETCH_KV_METHOD, request_serializer=pb.FetchKvRequest.SerializeToString,
+                        response_deserializer=None))
+                # The extra streams of every fetch thread's fetches at once; a fetch whose streams wait here still
+                # runs one of its own on its thread.
+                self._pool = ThreadPoolExecutor(max_workers=4 * self.streams, thread_name_prefix="kv-fetch-stream")
+            assert self._pool is not None
+            return self._fetches, self._pool
+
+
+class _Streams:
+    """One fetch's concurrent calls: the first error of any of them is kept and cancels them all (a cancelled call's
+    own error, CANCELLED, is not the one kept)."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+        self._calls: list[grpc.Call] = []
+        self._lock = threading.Lock()
+
+    def started(self, call: grpc.Call) -> grpc.Call:
+        with self._lock:
+            self._calls.append(call)
+            cancelled = self.error is not None
+        if cancelled:
+            call.cancel()
+        return call
+
+    def failed(self, error: Exception) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+

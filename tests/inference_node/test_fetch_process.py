@@ -1,0 +1,184 @@
+"""The node's fetch process (inference_node.fetch_process): fetches run out of vLLM's engine process and hand their
+decoded heads over through a shared arena; what comes out equals the in-process byte path's, a fetch larger than the
+arena's part goes in parts, errors keep their kind, a fetch process that dies fails what it had in flight and the next
+fetch starts another, and a region is reused only once the child answered for it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from inference_node import fetch_process
+from inference_node.fetch_process import FetchProcessKv, KvFetchFailed, _Arena
+from inference_node.kv_fetch import MemoryServiceKv
+from inferscale.v1 import memory_pb2 as pb
+from inferscale_kv.blob import CorruptKvBlob
+from inferscale_kv.shape import KvShape
+from tests.inference_node.conftest import stored_chunks, tiny_profile
+from tests.stacks import Users
+
+user = Users(__name__)
+RANK_SHAPE = KvShape(4, 1, 64)  # the stand-in's KV (4 layers x 2 heads x 64), this rank holding head 1
+
+
+def _source(address: str, **options) -> FetchProcessKv:
+    return FetchProcessKv(address, options.pop("timeout_s", 10), slice(1, 2), RANK_SHAPE, **options)
+
+
+def test_the_fetch_process_imports_neither_vllm_nor_the_connector() -> None:
+    script = ("import sys, inference_node.fetch_process, inference_node.kv_fetch; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m == 'inference_node.connector'))")
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"
+
+
+def test_a_fetch_through_the_process_equals_the_in_process_byte_path(stand_in) -> None:
+    address, _, chunks = stand_in
+    source = _source(address)
+    try:
+        fetched = source.fetch("stand-in-user", chunks, torch.bfloat16)
+        direct = MemoryServiceKv(address, 10, slice(1, 2), streams=2).fetch("stand-in-user", chunks, torch.bfloat16)
+        assert [entry.token_ids for entry in fetched] == [chunk.token_ids for chunk in chunks]
+        for ours, theirs in zip(fetched, direct, strict=True):
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+            assert ours.keys.shape == RANK_SHAPE.of(len(ours.token_ids)) and ours.keys.dtype == torch.bfloat16
+            # each its own compact storage: the host tier keeps it as it is
+            assert ours.keys.untyped_storage().nbytes() == ours.keys.numel() * 2
+        assert source._arena._free == [(0, source._arena.size)]
+    finally:
+        source.close()
+
+
+def test_a_fetch_larger_than_a_part_of_the_arena_goes_in_parts(stand_in) -> None:
+    address, servicer, chunks = stand_in
+    source = _source(address, arena_bytes=64 << 10)  # parts of 16 KiB: one to three chunks each
+    try:
+        fetched = source.fetch("stand-in-user", chunks, torch.float32)
+        assert len(servicer.requests) >= 4
+        whole = MemoryServiceKv(address, 10, slice(1, 2), streams=1).fetch("stand-in-user", chunks, torch.float32)
+        assert all(torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+                   for ours, theirs in zip(fetched, whole, strict=True))
+        assert source._arena._free == [(0, source._arena.size)]
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(("failure", "expected"), [("flipped byte", CorruptKvBlob), ("missing", LookupError),
+                                                   ("refused", KvFetchFailed)])
+def test_a_failed_fetch_is_raised_with_its_kind_and_frees_its_regions(stand_in, failure, expected) -> None:
+    address, servicer, chunks = stand_in
+    victim = chunks[3].key
+    if failure == "refused":
+        servicer.refuse = grpc.StatusCode.UNAVAILABLE
+    else:
+        servicer.tamper = lambda key, blob: blob if key != victim else (
+            b"" if failure == "missing" else blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:])
+    source = _source(address)
+    try:
+        with pytest.raises(expected) as raised:
+            source.fetch("stand-in-user", chunks, torch.bfloat16)
+        if failure == "refused":
+            assert "UNAVAILABLE" in str(raised.value)
+        assert source._arena._free == [(0, source._arena.size)]
+    finally:
+        source.close()
+
+
+def test_a_fetch_process_that_dies_fails_its_fetches_and_the_next_fetch_starts_another(stand_in) -> None:
+    address, servicer, chunks = stand_in
+    source = _source(address)
+    try:
+        assert len(source.fetch("stand-in-user", chunks[:2], torch.bfloat16)) == 2
+        first = source.process_id
+        servicer.delay_s = 30
+        errors: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                source.fetch("stand-in-user", chunks, torch.bfloat16)
+            except BaseException as error:
+                errors.append(error)
+
+        waiting = threading.Thread(target=fetch)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while len(servicer.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        waiting.join(timeout=10)
+        assert not waiting.is_alive() and len(errors) == 1 and isinstance(errors[0], KvFetchFailed)
+        assert "exited" in str(errors[0])
+        servicer.delay_s = 0
+        assert len(source.fetch("stand-in-user", chunks, torch.bfloat16)) == len(chunks)
+        assert source.process_id not in (None, first)
+        assert source._arena._free == [(0, source._arena.size)]
+    finally:
+        source.close()
+
+
+def test_a_region_is_reused_only_once_the_child_answered_for_it(stand_in, monkeypatch) -> None:
+    """A waiter that gives up on a child that does not answer (stopped here) leaves its regions held; they are freed
+    when the answer comes, never while the child may still write into them."""
+    address, _, chunks = stand_in
+    monkeypatch.setattr(fetch_process, "ANSWER_MARGIN_S", 0.5)
+    source = _source(address, timeout_s=1)
+    try:
+        assert len(source.fetch("stand-in-user", chunks[:1], torch.bfloat16)) == 1
+        child = source.process_id
+        assert child is not None
+        os.kill(child, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                source.fetch("stand-in-user", chunks, torch.bfloat16)
+            assert source._arena._free != [(0, source._arena.size)]  # still the child's to write
+        finally:
+            os.kill(child, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while source._arena._free != [(0, source._arena.size)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert source._arena._free == [(0, source._arena.size)]
+    finally:
+        source.close()
+
+
+def test_the_arena_allocates_all_or_waits_and_coalesces_what_is_freed() -> None:
+    arena = _Arena(16 << 10)
+    first = arena.allocate([5000, 3000], timeout_s=1)  # aligned to 8 KiB and 4 KiB
+    assert first == [0, 8192]
+    with pytest.raises(TimeoutError):
+        arena.allocate([8192], timeout_s=0.1)  # 4 KiB free: nothing is taken
+    assert arena._free == [(12288, 4096)]
+    later: list[list[int]] = []
+    waiter = threading.Thread(target=lambda: later.append(arena.allocate([8192, 4096], timeout_s=5)))
+    waiter.start()
+    time.sleep(0.1)
+    arena.free(first, [5000, 3000])
+    waiter.join(timeout=5)
+    assert later == [[0, 8192]] and arena._free == [(12288, 4096)]
+    arena.free(later[0], [8192, 4096])
+    assert arena._free == [(0, 16 << 10)]
+    assert arena.allocate([], timeout_s=0) == []
+    with pytest.raises(ValueError):
+        arena.allocate([32 << 10], timeout_s=0)
+
+
+def test_a_deleted_fact_is_never_fetched_through_the_process(node_memory_service, node_stub, tiny_llama_dir) -> None:
+    user_id = user("deleted")
+    chunks = stored_chunks(node_stub, tiny_profile(tiny_llama_dir), user_id)
+    source = FetchProcessKv(node_memory_service.address, 30, slice(0, 2), KvShape(4, 2, 64))
+    try:
+        assert len(source.fetch(user_id, chunks, torch.float32)) == len(chunks)
+        node_stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user_id, fact_ids=[chunks[-1].key.fact_id]))
+        with pytest.raises(LookupError, match=chunks[-1].key.fact_id):
+            source.fetch(user_id, chunks, torch.float32)
+    finally:
+        source.close()
