@@ -17,6 +17,7 @@ issue 41's H200 run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import mmap
@@ -26,6 +27,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,8 +46,10 @@ logger = logging.getLogger(__name__)
 # The shared arena per worker rank: what the fetches in flight (two fetch threads and the warm-up's) hold at once. A
 # fetch larger than a quarter of it goes in parts, each waiting for room.
 FETCH_ARENA_BYTES = 512 << 20
-# How long past its memory-service deadline a fetch waits for the child's answer before giving up on it.
+# How long past its deadline a fetch waits for the child's answer before giving up on it (and on the child).
 ANSWER_MARGIN_S = 5.0
+# A child that exits within this long of its start is not replaced before this long has passed.
+RESTART_BACKOFF_S = 5.0
 _ALIGNMENT = 4096
 _LENGTH = struct.Struct("<I")
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16)}
@@ -151,12 +155,16 @@ class _Child:
 
     process: subprocess.Popen[bytes]
     control: socket.socket
+    started_at: float
     pending: dict[int, _Pending] = field(default_factory=dict)
+    sending: threading.Lock = field(default_factory=threading.Lock)  # one message at a time on the socket
 
 
 class FetchProcessKv:
     """A KvSource whose fetches run in a child process (`python -m inference_node.fetch_process`), started now and
-    again by the first fetch after it exits; this rank's heads `heads` (of the model's) at `rank_shape`."""
+    again by the first fetch after it exits (not sooner than RESTART_BACKOFF_S after one that lived less than that);
+    this rank's heads `heads` (of the model's) at `rank_shape`. A child that leaves a request unanswered past its
+    deadline is killed: its exit frees every region it could still write into and fails its other requests."""
 
     def __init__(self, address: str, timeout_s: float, heads: slice, rank_shape: KvShape,
                  pin_memory: bool | None = None, arena_bytes: int = FETCH_ARENA_BYTES) -> None:
@@ -171,24 +179,31 @@ class FetchProcessKv:
         os.ftruncate(self._memory_file, arena_bytes)
         self._memory = mmap.mmap(self._memory_file, arena_bytes)
         self._bytes = torch.frombuffer(self._memory, dtype=torch.uint8)
-        self._lock = threading.Lock()  # the child and its pending requests
+        self._lock = threading.Lock()  # the child, its pending requests, the request ids
         self._child: _Child | None = None
+        self._restart_at = 0.0  # monotonic: no child is started before
+        self._closed = False
         self._ids = 0
         with self._lock:
             self._running()
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
+        """As KvSource.fetch, within one deadline (`timeout_s` from now, plus ANSWER_MARGIN_S for the child's answer)
+        however many parts of the arena it takes."""
+        if len({chunk.key for chunk in chunks}) != len(chunks):
+            raise ValueError("a fetch names a chunk twice")
+        deadline = time.monotonic() + self.timeout_s
         fetched: list[CachedKv] = []
         part: list[ChunkLoad] = []
         part_bytes = 0
         for chunk in chunks:
             if part and part_bytes + self._size(chunk, dtype) > self._part_bytes:
-                fetched += self._fetch_part(user_id, part, dtype)
+                fetched += self._fetch_part(user_id, part, dtype, deadline)
                 part, part_bytes = [], 0
             part.append(chunk)
             part_bytes += self._size(chunk, dtype)
         if part:
-            fetched += self._fetch_part(user_id, part, dtype)
+            fetched += self._fetch_part(user_id, part, dtype, deadline)
         return fetched
 
     @property
@@ -201,27 +216,28 @@ class FetchProcessKv:
         """Bytes of the chunk's keys and values at this rank's shape."""
         return self.rank_shape.elements_per_token() * len(chunk.token_ids) * dtype.itemsize
 
-    def _fetch_part(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
+    def _fetch_part(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
+                    deadline: float) -> list[CachedKv]:
         sizes = [self._size(chunk, dtype) for chunk in chunks]
-        offsets = self._arena.allocate(sizes, self.timeout_s)
+        offsets = self._arena.allocate(sizes, max(0.0, deadline - time.monotonic()))
         pending = _Pending(offsets, sizes)
         try:
-            request_id = self._send(pending, {
+            child, request_id = self._send(pending, {
                 "user_id": user_id, "dtype": str(dtype).removeprefix("torch."),
+                "timeout_s": max(0.001, deadline - time.monotonic()),
                 "chunks": [{"key": [chunk.key.profile_id, chunk.key.user_id, chunk.key.fact_id, chunk.key.version,
                                     chunk.key.content_id],
-                            "token_ids": list(chunk.token_ids), "offset": offset}
-                           for chunk, offset in zip(chunks, offsets, strict=True)]})
+                            "token_ids": list(chunk.token_ids), "offset": offset, "size": size}
+                           for chunk, offset, size in zip(chunks, offsets, sizes, strict=True)]})
         except BaseException:
             self._arena.free(offsets, sizes)
             raise
-        waited_s = self.timeout_s + ANSWER_MARGIN_S
-        if not pending.answered.wait(waited_s):
+        if not pending.answered.wait(max(0.0, deadline - time.monotonic()) + ANSWER_MARGIN_S):
             with pending.lock:
-                if not pending.answered.is_set():
-                    pending.abandoned = True  # the reader frees the regions when the answer comes
-                    raise TimeoutError(f"the fetch process did not answer request {request_id} within "
-                                       f"{waited_s:.1f} s")
+                abandoned = pending.abandoned = not pending.answered.is_set()
+            if abandoned:  # its regions stay held until the child is gone
+                child.process.kill()
+                raise TimeoutError(f"the fetch process did not answer request {request_id} in time: stopped")
         try:
             error = pending.answer.get("error") if pending.answer is not None else None
             if error is not None:
@@ -241,23 +257,30 @@ class FetchProcessKv:
             pair.append(tensor)
         return CachedKv(pair[0], pair[1], chunk.token_ids)
 
-    def _send(self, pending: _Pending, request: dict[str, Any]) -> int:
+    def _send(self, pending: _Pending, request: dict[str, Any]) -> tuple[_Child, int]:
         with self._lock:
             child = self._running()
             self._ids += 1
             request_id = self._ids
             child.pending[request_id] = pending
-            try:
+        try:
+            with child.sending:
                 send_message(child.control, {"id": request_id, **request})
-            except OSError as error:
-                del child.pending[request_id]
-                raise KvFetchFailed(f"the KV fetch process cannot be reached ({error})") from error
-        return request_id
+        except OSError as error:
+            with self._lock:
+                child.pending.pop(request_id, None)
+            raise KvFetchFailed(f"the KV fetch process cannot be reached ({error})") from error
+        return child, request_id
 
     def _running(self) -> _Child:
-        """The running child, starting one when none runs (the lock held)."""
+        """The running child, starting one when none runs (the lock held); KvFetchFailed while closed or backing
+        off from a child that exited young."""
         if self._child is not None and self._child.process.poll() is None:
             return self._child
+        if self._closed:
+            raise KvFetchFailed("the KV source is closed")
+        if time.monotonic() < self._restart_at:
+            raise KvFetchFailed("the KV fetch process exited young; starting another after a pause")
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "inference_node.fetch_process",
                    "--address", self.address, "--timeout-s", str(self.timeout_s),
@@ -272,27 +295,36 @@ class FetchProcessKv:
             raise
         finally:
             theirs.close()
-        self._child = _Child(process, ours)
+        self._child = _Child(process, ours, time.monotonic())
         threading.Thread(target=self._read_answers, args=(self._child,), daemon=True,
                          name="inferscale-fetch-answers").start()
         return self._child
 
     def _read_answers(self, child: _Child) -> None:
-        """Hands each of the child's answers to its waiter until the child exits; then fails what it left
-        unanswered."""
-        while (answer := receive_message(child.control)) is not None:
+        """Hands each of the child's answers to its waiter until the child exits or breaks the protocol (then it is
+        killed); then fails what it left unanswered and frees what those requests held."""
+        try:
+            while (answer := receive_message(child.control)) is not None:
+                with self._lock:
+                    pending = child.pending.pop(int(answer["id"]), None)
+                if pending is not None:
+                    self._answer(pending, answer)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("InferScale: the KV fetch process's answers broke off (%r)", error)
+        finally:
+            child.process.kill()
+            code = child.process.wait()
             with self._lock:
-                pending = child.pending.pop(answer["id"], None)
-            if pending is not None:
-                self._answer(pending, answer)
-        code = child.process.wait()
-        logger.warning("InferScale: the KV fetch process exited (code %s); its fetches in flight fail", code)
-        with self._lock:
-            unanswered, child.pending = child.pending, {}
-        child.control.close()
-        for pending in unanswered.values():
-            self._answer(pending, {"error": {"type": "KvFetchFailed",
-                                             "message": f"the KV fetch process exited (code {code})"}})
+                unanswered, child.pending = child.pending, {}
+                if time.monotonic() - child.started_at < RESTART_BACKOFF_S:
+                    self._restart_at = time.monotonic() + RESTART_BACKOFF_S
+            child.control.close()
+            if not self._closed:
+                logger.warning("InferScale: the KV fetch process exited (code %s); %d fetches in flight fail", code,
+                               len(unanswered))
+            for pending in unanswered.values():
+                self._answer(pending, {"error": {"type": "KvFetchFailed",
+                                                 "message": f"the KV fetch process exited (code {code})"}})
 
     def _answer(self, pending: _Pending, answer: dict[str, Any]) -> None:
         with pending.lock:
@@ -303,13 +335,21 @@ class FetchProcessKv:
             self._arena.free(pending.offsets, pending.sizes)
 
     def close(self) -> None:
-        """Stops the child and waits for it (a worker's child also ends with the worker's process: its socket
-        closes)."""
+        """Stops the child and waits for it (idempotent; fetches fail from now on)."""
         with self._lock:
-            child, self._child = self._child, None
+            if self._closed:
+                return
+            self._closed = True
+            child = self._child
+        os.close(self._memory_file)  # the mapping stays while the arena's tensor lives
         if child is not None:
-            child.control.shutdown(socket.SHUT_RDWR)
-            child.process.wait(timeout=30)
+            with contextlib.suppress(OSError):
+                child.control.shutdown(socket.SHUT_RDWR)
+            try:
+                child.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
 
 
 def _serve(arguments: argparse.Namespace) -> None:
@@ -323,11 +363,12 @@ def _serve(arguments: argparse.Namespace) -> None:
     control = socket.socket(fileno=arguments.control_fd)
     answering = threading.Lock()
 
-    def region(offset: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    def region(offset: int, asked: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         shape = (2, arguments.layers, tokens, last - first, arguments.head_dim)
         size = 2 * arguments.layers * tokens * (last - first) * arguments.head_dim * dtype.itemsize
-        if offset < 0 or offset + size > arguments.arena_bytes:
-            raise ValueError(f"a region [{offset}, {offset + size}) outside the arena")
+        if size != asked or offset < 0 or offset + size > arguments.arena_bytes:
+            raise ValueError(f"a region [{offset}, {offset + asked}) for {size} bytes of KV in an arena of "
+                             f"{arguments.arena_bytes}")
         return arena[offset: offset + size].view(dtype).view(shape)
 
     def fetch(request: dict[str, Any]) -> None:
@@ -335,9 +376,9 @@ def _serve(arguments: argparse.Namespace) -> None:
         try:
             dtype = _DTYPES[request["dtype"]]
             chunks = [ChunkLoad(KvKey(*item["key"]), tuple(item["token_ids"]), 0) for item in request["chunks"]]
-            into = [region(item["offset"], len(chunk.token_ids), dtype)
+            into = [region(item["offset"], item["size"], len(chunk.token_ids), dtype)
                     for item, chunk in zip(request["chunks"], chunks, strict=True)]
-            source.fetch(request["user_id"], chunks, dtype, into)
+            source.fetch(request["user_id"], chunks, dtype, into, timeout_s=request["timeout_s"])
         except Exception as error:  # answered: the worker raises it again
             name = type(error).__name__
             answer["error"] = {"type": name if name in _ERRORS else "KvFetchFailed", "message": f"{name}: {error}"}

@@ -79,7 +79,6 @@ def fetch_reply_blob(reply: bytes) -> memoryview:
     return blob
 
 
-
 @dataclass(frozen=True)
 class CachedKv:
     keys: torch.Tensor  # [layers, tokens, kv_heads, head_dim], pre-RoPE, on the node's device
@@ -114,11 +113,17 @@ class MemoryServiceKv:
         self._pool: ThreadPoolExecutor | None = None
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
-              into: Sequence[torch.Tensor] | None = None) -> list[CachedKv]:
-        """As KvSource.fetch; with `into` (one contiguous [2, layers, tokens, heads, head_dim] buffer per chunk, in
-        chunk order), each chunk's keys and values are decoded into its buffer (the fetch process's shared arena)."""
+              into: Sequence[torch.Tensor] | None = None, timeout_s: float | None = None) -> list[CachedKv]:
+        """Every chunk's KV (this rank's heads) in host memory in `dtype`, contiguous, in chunk order, within
+        `timeout_s` (else the source's); raises (LookupError, CorruptKvBlob, grpc.RpcError, ...) if any chunk
+        cannot be had, ValueError if a key is named twice. With `into` (one contiguous [2, layers, tokens, heads,
+        head_dim] buffer per chunk, in chunk order), each chunk's keys and values are decoded into its buffer (the
+        fetch process's shared arena). Thread-safe."""
         if not chunks:
             return []
+        if len({chunk.key for chunk in chunks}) != len(chunks):
+            raise ValueError("a fetch names a chunk twice")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         buffers = dict(zip((chunk.key for chunk in chunks), into, strict=True)) if into is not None else {}
         ordered = sorted(chunks, key=lambda chunk: not chunk.key.is_header)  # the header, if any, first
         count = min(self.streams, len(ordered))
@@ -126,9 +131,9 @@ class MemoryServiceKv:
                   for index in range(count)]
         fetches, pool = self._connections()
         state = _Streams()
-        futures = [pool.submit(self._fetch_group, fetches[index], user_id, group, dtype, state, buffers)
+        futures = [pool.submit(self._fetch_group, fetches[index], user_id, group, dtype, state, buffers, timeout_s)
                    for index, group in enumerate(groups[1:], start=1)]
-        fetched = self._fetch_group(fetches[0], user_id, groups[0], dtype, state, buffers)
+        fetched = self._fetch_group(fetches[0], user_id, groups[0], dtype, state, buffers, timeout_s)
         for future in futures:
             fetched.update(future.result())
         if state.error is not None:
@@ -136,7 +141,7 @@ class MemoryServiceKv:
         return [fetched[chunk.key] for chunk in chunks]
 
     def _fetch_group(self, fetch: Callable[..., Any], user_id: str, group: Sequence[ChunkLoad], dtype: torch.dtype,
-                     state: _Streams, buffers: dict[KvKey, torch.Tensor]) -> dict[KvKey, CachedKv]:
+                     state: _Streams, buffers: dict[KvKey, torch.Tensor], timeout_s: float) -> dict[KvKey, CachedKv]:
         """One FetchKv call for `group` (the header first, if in it), each blob checked and decoded as it comes; what
         it fetched before the first failure of any stream (which `state` keeps, cancelling every stream)."""
         header = group[0] if group[0].key.is_header else None
@@ -148,7 +153,7 @@ class MemoryServiceKv:
                    for c in facts])
         fetched: dict[KvKey, CachedKv] = {}
         try:
-            call = state.started(fetch(request, timeout=self.timeout_s))
+            call = state.started(fetch(request, timeout=timeout_s))
             replies = iter(call)
             for chunk in group:
                 reply = next(replies, None)

@@ -28,8 +28,13 @@ if TYPE_CHECKING:
 class KvSource(Protocol):
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
         """Every chunk's KV (this rank's heads) in host memory in `dtype`, contiguous, in chunk order; raises
-        (LookupError, CorruptKvBlob, grpc.RpcError, ...) if any chunk cannot be had. Thread-safe: fetch threads
-        call it. The caller (residency.KvResidency) checks each entry's shape and puts it in the node's tiers."""
+        (LookupError, CorruptKvBlob, KvFetchFailed, TimeoutError, ValueError, ...) if any chunk cannot be had (the
+        request prefills it instead). Thread-safe: fetch threads call it. The caller (residency.KvResidency) checks
+        each entry's shape and puts it in the node's tiers."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the source holds (a fetch process); idempotent. Fetches fail afterwards."""
         ...
 
 
@@ -48,6 +53,9 @@ class SyntheticKv:
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
         return [self._random(chunk, dtype) for chunk in chunks]
+
+    def close(self) -> None:
+        pass
 
     def _random(self, chunk: ChunkLoad, dtype: torch.dtype) -> CachedKv:
         shape = self.rank_shape.of(len(chunk.token_ids))

@@ -58,6 +58,7 @@ class InferScaleWorker:
         self._cache = NodeKvCache()
         self._host_cache = NodeKvCache()
         self._counts_loads = shard.rank == 0  # every rank writes its heads of each load: one counts it for the node
+        self._source = source
         self._residency = KvResidency(self._cache, self._host_cache, source,
                                       shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
@@ -185,6 +186,7 @@ class InferScaleWorker:
         for executor in (self._fetcher, self._warmer):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
+        self._source.close()
 
     # ------------------------------------------------------------------ loading
 

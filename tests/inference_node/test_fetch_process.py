@@ -92,8 +92,10 @@ def test_a_failed_fetch_is_raised_with_its_kind_and_frees_its_regions(stand_in, 
         source.close()
 
 
-def test_a_fetch_process_that_dies_fails_its_fetches_and_the_next_fetch_starts_another(stand_in) -> None:
+def test_a_fetch_process_that_dies_fails_its_fetches_and_the_next_fetch_starts_another(stand_in,
+                                                                                    monkeypatch) -> None:
     address, servicer, chunks = stand_in
+    monkeypatch.setattr(fetch_process, "RESTART_BACKOFF_S", 0.0)
     source = _source(address)
     try:
         assert len(source.fetch("stand-in-user", chunks[:2], torch.bfloat16)) == 2
@@ -125,29 +127,98 @@ def test_a_fetch_process_that_dies_fails_its_fetches_and_the_next_fetch_starts_a
         source.close()
 
 
-def test_a_region_is_reused_only_once_the_child_answered_for_it(stand_in, monkeypatch) -> None:
-    """A waiter that gives up on a child that does not answer (stopped here) leaves its regions held; they are freed
-    when the answer comes, never while the child may still write into them."""
+def test_a_child_that_does_not_answer_is_stopped_and_its_regions_freed_only_then(stand_in, monkeypatch) -> None:
+    """A waiter that gives up on a child that does not answer (stopped here) leaves its regions held while the child
+    may still write into them, stops the child, and the regions are free once it is gone; the next fetch starts
+    another child."""
     address, _, chunks = stand_in
     monkeypatch.setattr(fetch_process, "ANSWER_MARGIN_S", 0.5)
+    monkeypatch.setattr(fetch_process, "RESTART_BACKOFF_S", 0.0)
     source = _source(address, timeout_s=1)
     try:
         assert len(source.fetch("stand-in-user", chunks[:1], torch.bfloat16)) == 1
         child = source.process_id
         assert child is not None
         os.kill(child, signal.SIGSTOP)
-        try:
-            with pytest.raises(TimeoutError):
-                source.fetch("stand-in-user", chunks, torch.bfloat16)
-            assert source._arena._free != [(0, source._arena.size)]  # still the child's to write
-        finally:
-            os.kill(child, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while source._arena._free != [(0, source._arena.size)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert source._arena._free == [(0, source._arena.size)]
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            source.fetch("stand-in-user", chunks, torch.bfloat16)
+        assert time.monotonic() - started < 5
+        _wait_for(lambda: source._arena._free == [(0, source._arena.size)])
+        assert len(source.fetch("stand-in-user", chunks, torch.bfloat16)) == len(chunks)
+        assert source.process_id not in (None, child)
     finally:
         source.close()
+
+
+def test_a_child_killed_with_a_request_unread_fails_it_at_once(stand_in, monkeypatch) -> None:
+    """The control socket is reset, not closed, when the child dies with a request unread: the fetch fails at once
+    (not after its deadline), its regions are freed and the next fetch starts another child."""
+    address, _, chunks = stand_in
+    monkeypatch.setattr(fetch_process, "RESTART_BACKOFF_S", 0.0)
+    source = _source(address, timeout_s=20)
+    try:
+        assert len(source.fetch("stand-in-user", chunks[:1], torch.bfloat16)) == 1
+        child = source.process_id
+        assert child is not None
+        os.kill(child, signal.SIGSTOP)
+        errors: list[BaseException] = []
+        waiting = threading.Thread(target=lambda: _failure(errors, source, chunks))
+        waiting.start()
+        time.sleep(0.5)  # the request sits in the stopped child's socket
+        os.kill(child, signal.SIGKILL)
+        waiting.join(timeout=10)
+        assert not waiting.is_alive() and len(errors) == 1 and isinstance(errors[0], KvFetchFailed), errors
+        assert source._arena._free == [(0, source._arena.size)]
+        assert len(source.fetch("stand-in-user", chunks, torch.bfloat16)) == len(chunks)
+    finally:
+        source.close()
+
+
+def test_a_child_that_exits_young_is_not_replaced_before_a_pause(stand_in, monkeypatch) -> None:
+    address, _, chunks = stand_in
+    monkeypatch.setattr(fetch_process, "RESTART_BACKOFF_S", 1.5)
+    source = _source(address)
+    try:
+        child = source.process_id
+        assert child is not None
+        os.kill(child, signal.SIGKILL)
+        _wait_for(lambda: source.process_id is None or source._child is None or source._restart_at > 0)
+        with pytest.raises(KvFetchFailed, match="young"):
+            source.fetch("stand-in-user", chunks, torch.bfloat16)
+        time.sleep(1.6)
+        assert len(source.fetch("stand-in-user", chunks, torch.bfloat16)) == len(chunks)
+    finally:
+        source.close()
+
+
+def test_a_fetch_naming_a_chunk_twice_is_refused(stand_in) -> None:
+    """Each chunk is decoded into the region of its own key: a key named twice would leave one region unwritten."""
+    address, _, chunks = stand_in
+    source = _source(address)
+    try:
+        with pytest.raises(ValueError, match="twice"):
+            source.fetch("stand-in-user", [*chunks, chunks[2]], torch.bfloat16)
+        into = [torch.empty(2, 4, len(chunk.token_ids), 2, 64, dtype=torch.bfloat16) for chunk in (*chunks, chunks[2])]
+        with pytest.raises(ValueError, match="twice"):
+            MemoryServiceKv(address, 10, slice(0, 2)).fetch("stand-in-user", [*chunks, chunks[2]], torch.bfloat16,
+                                                            into)
+    finally:
+        source.close()
+
+
+def _failure(errors: list[BaseException], source: FetchProcessKv, chunks) -> None:
+    try:
+        source.fetch("stand-in-user", chunks, torch.bfloat16)
+    except BaseException as error:
+        errors.append(error)
+
+
+def _wait_for(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_the_arena_allocates_all_or_waits_and_coalesces_what_is_freed() -> None:
