@@ -176,9 +176,14 @@ class NodeCacheDirectory:
     chunks into the host tier only, into its free room.
     """
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1, host_budget_bytes: int = 0) -> None:
+    def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1, host_budget_bytes: int = 0,
+                 host_pinned: bool = False) -> None:
+        """`host_pinned`: the host tier's entries are pinned by PyTorch's caching host allocator, which rounds each
+        allocation (an entry's keys, its values) up to a power of two: the host tier counts what is pinned, so that
+        its budget bounds the page-locked memory, not the bytes of KV alone."""
         self.bytes_per_token = max(1, bytes_per_token)
         self.ranks = ranks
+        self._host_pinned = host_pinned
         self._device = _Tier(budget_bytes)
         self._host = _Tier(host_budget_bytes)
         self._fetching: dict[KvKey, _Fetch] = {}  # into the device tier (and the host tier where reserved there)
@@ -299,7 +304,7 @@ class NodeCacheDirectory:
             if (chunk.key in self._fetching or chunk.key in self._warming or self._device.holds(chunk)
                     or self._host.known_tokens(chunk.key) is not None):
                 continue
-            size = len(chunk.token_ids) * self.bytes_per_token
+            size = self.host_bytes(len(chunk.token_ids) * self.bytes_per_token)
             victims = self._host.coldest(size, self._unused_warm - self._fetching.keys())
             if victims is None:
                 break
@@ -313,7 +318,14 @@ class NodeCacheDirectory:
                                                  frozenset(chunk.key for chunk in ordered), to_device=False))
         return len(ordered)
 
+    def host_bytes(self, size: int) -> int:
+        """What an entry of `size` bytes (keys and values) takes of the host tier's budget."""
+        if not self._host_pinned or size <= 0:
+            return size
+        return 2 * (1 << (-(-size // 2) - 1).bit_length())
+
     def _reserve_on_host(self, chunk: ChunkLoad, size: int) -> bool:
+        size = self.host_bytes(size)
         if self._host.known_tokens(chunk.key) is not None:
             return False
         # A host-tier chunk a device fetch in flight copies from stays until that fetch settles.

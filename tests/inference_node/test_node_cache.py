@@ -159,6 +159,19 @@ def test_the_host_tier_evicts_its_least_recently_used_and_a_failed_fetch_leaves_
     assert not directory.is_on_host(_chunk(2)) and directory.take_host_evictions() == (_key(2),)
 
 
+@pytest.mark.parametrize(("pinned", "on_host"), [(False, 3), (True, 2)])
+def test_a_pinned_host_tier_counts_what_the_pinned_allocator_takes(pinned, on_host) -> None:
+    """PyTorch's caching host allocator rounds each pinned tensor (an entry's keys, its values) up to a power of two:
+    a 100-byte entry pins 2 x 64 bytes, so a 320-byte pinned host tier holds two such entries, not three."""
+    directory = NodeCacheDirectory(budget_bytes=1000, bytes_per_token=10, host_budget_bytes=320, host_pinned=pinned)
+    for fact in range(3):
+        _fetched(directory, fact)
+    assert sum(directory.is_on_host(_chunk(fact)) for fact in range(3)) == on_host
+    assert directory.host_bytes_used == (256 if pinned else 300)
+    assert directory.host_bytes(100) == (128 if pinned else 100) and directory.host_bytes(128) == 128
+    assert directory.host_budget_bytes == 320 and directory.bytes_to_bring([_chunk(5)]) == (0, 100)
+
+
 def test_a_warm_up_fills_the_host_tier_only_and_never_the_device_tier() -> None:
     directory = NodeCacheDirectory(budget_bytes=100, bytes_per_token=10, host_budget_bytes=300)
     _fetched(directory, 0)
