@@ -35,7 +35,7 @@ class NodeSettings:
     host_tier_mb: int | None = option(
         None, help="pinned host memory for fact KV behind the device tier, per tensor-parallel rank (MiB; chunks "
         "fetched from the memory service stay there, so that a device eviction leaves them one host-to-device copy "
-        "away; 0: none; counted as pinned, each tensor rounded up to a power of two as PyTorch pins it). Not "
+        "away; 0: none; each entry counted at the size PyTorch pins for it, a power of two per tensor). Not "
         "given: a quarter of the host's memory (or of the container's limit) shared by the ranks, at most 64 GiB; "
         "none on a CPU node, whose device tier is host memory already")
     kv_miss_policy: str = option(

@@ -179,8 +179,8 @@ class NodeCacheDirectory:
     def __init__(self, budget_bytes: int, bytes_per_token: int, ranks: int = 1, host_budget_bytes: int = 0,
                  host_pinned: bool = False) -> None:
         """`host_pinned`: the host tier's entries are pinned by PyTorch's caching host allocator, which rounds each
-        allocation (an entry's keys, its values) up to a power of two: the host tier counts what is pinned, so that
-        its budget bounds the page-locked memory, not the bytes of KV alone."""
+        allocation (an entry's keys, its values) up to a power of two: each entry is counted at that size. (The
+        allocator also keeps freed blocks cached for reuse by blocks of their size: not counted.)"""
         self.bytes_per_token = max(1, bytes_per_token)
         self.ranks = ranks
         self._host_pinned = host_pinned
@@ -255,6 +255,7 @@ class NodeCacheDirectory:
 
     @property
     def host_bytes_used(self) -> int:
+        """Host-tier bytes per rank, resident and being fetched, each entry at its pinned size (`host_bytes`)."""
         return self._host.bytes
 
     def bytes_to_bring(self, chunks: Sequence[ChunkLoad]) -> tuple[int, int]:

@@ -170,6 +170,12 @@ def test_a_pinned_host_tier_counts_what_the_pinned_allocator_takes(pinned, on_ho
     assert directory.host_bytes_used == (256 if pinned else 300)
     assert directory.host_bytes(100) == (128 if pinned else 100) and directory.host_bytes(128) == 128
     assert directory.host_budget_bytes == 320 and directory.bytes_to_bring([_chunk(5)]) == (0, 100)
+    directory.drop([_key(fact) for fact in range(3)])
+    assert directory.host_bytes_used == 0
+    assert directory.warm("u", [_chunk(fact) for fact in range(5, 8)], now=0.0, wait_s=1.0) == on_host
+    assert directory.host_bytes_used == (256 if pinned else 300)
+    directory.settle(PrefetchReport(warm_failed=Counter({_key(fact): 1 for fact in range(5, 8)})))
+    assert directory.host_bytes_used == 0
 
 
 def test_a_warm_up_fills_the_host_tier_only_and_never_the_device_tier() -> None:
