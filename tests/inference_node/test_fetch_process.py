@@ -136,15 +136,13 @@ def test_a_child_that_does_not_answer_is_stopped_and_its_regions_freed_only_then
     monkeypatch.setattr(fetch_process, "RESTART_BACKOFF_S", 0.0)
     source = _source(address, timeout_s=1)
     try:
-        assert len(source.fetch("stand-in-user", chunks[:1], torch.bfloat16)) == 1
-        child = source.process_id
-        assert child is not None
-        os.kill(child, signal.SIGSTOP)
+        child = _stopped_child(source, chunks)
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             source.fetch("stand-in-user", chunks, torch.bfloat16)
         assert time.monotonic() - started < 5
         _wait_for(lambda: source._arena._free == [(0, source._arena.size)])
+        source.timeout_s = 30  # the next child's first fetch waits for it to start
         assert len(source.fetch("stand-in-user", chunks, torch.bfloat16)) == len(chunks)
         assert source.process_id not in (None, child)
     finally:
@@ -158,10 +156,7 @@ def test_a_child_killed_with_a_request_unread_fails_it_at_once(stand_in, monkeyp
     monkeypatch.setattr(fetch_process, "RESTART_BACKOFF_S", 0.0)
     source = _source(address, timeout_s=20)
     try:
-        assert len(source.fetch("stand-in-user", chunks[:1], torch.bfloat16)) == 1
-        child = source.process_id
-        assert child is not None
-        os.kill(child, signal.SIGSTOP)
+        child = _stopped_child(source, chunks)
         errors: list[BaseException] = []
         waiting = threading.Thread(target=lambda: _failure(errors, source, chunks))
         waiting.start()
@@ -205,6 +200,18 @@ def test_a_fetch_naming_a_chunk_twice_is_refused(stand_in) -> None:
                                                             into)
     finally:
         source.close()
+
+
+def _stopped_child(source: FetchProcessKv, chunks) -> int:
+    """The source's child, stopped (SIGSTOP) once it has served a fetch (within 30 s, whatever the source's deadline:
+    a child still starting on a busy machine answers its first fetch late)."""
+    deadline, source.timeout_s = source.timeout_s, 30
+    assert len(source.fetch("stand-in-user", chunks[:1], torch.bfloat16)) == 1
+    source.timeout_s = deadline
+    child = source.process_id
+    assert child is not None
+    os.kill(child, signal.SIGSTOP)
+    return child
 
 
 def _failure(errors: list[BaseException], source: FetchProcessKv, chunks) -> None:
