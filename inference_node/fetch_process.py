@@ -183,6 +183,7 @@ class FetchProcessKv:
         self._child: _Child | None = None
         self._restart_at = 0.0  # monotonic: no child is started before
         self._closed = False
+        self.processes_started = 0
         self._ids = 0
         with self._lock:
             self._running()
@@ -296,6 +297,7 @@ class FetchProcessKv:
         finally:
             theirs.close()
         self._child = _Child(process, ours, time.monotonic())
+        self.processes_started += 1
         threading.Thread(target=self._read_answers, args=(self._child,), daemon=True,
                          name="inferscale-fetch-answers").start()
         return self._child

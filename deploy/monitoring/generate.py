@@ -415,6 +415,13 @@ INFERENCE_NODE = Dashboard(
                    Query(f"sum by (instance) (increase(inferscale_node_client_plans_refused_total[{RATE}]))",
                          "client plans stripped {{instance}}")),
                   thresholds=((1, RED),), lines=True),
+            Panel("Fetch processes started",
+                  "Fetch processes the node's ranks started, per rate window: one per rank as the node starts, one "
+                  "more after each that exited (the fetches it had in flight failed and their requests prefilled). "
+                  "Healthy after the start: 0.", "short",
+                  (Query(f"sum by (instance) (increase(inferscale_connector_fetch_processes_started_total[{RATE}]))",
+                         "{{instance}}"),),
+                  lines=True),
         )),
         Row("RetrieveAndStage", (
             Panel("RetrieveAndStage latency",

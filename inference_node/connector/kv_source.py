@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 
 class KvSource(Protocol):
+    processes_started: int  # fetch processes started so far (0 for a source that runs none)
+
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
         """Every chunk's KV (this rank's heads) in host memory in `dtype`, contiguous, in chunk order; raises
         (LookupError, CorruptKvBlob, KvFetchFailed, TimeoutError, ValueError, ...) if any chunk cannot be had (the
@@ -50,6 +52,7 @@ def kv_source(settings: NodeSettings, hf_config: PretrainedConfig, shard: KvHead
 class SyntheticKv:
     def __init__(self, rank_shape: KvShape) -> None:
         self.rank_shape = rank_shape
+        self.processes_started = 0
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
         return [self._random(chunk, dtype) for chunk in chunks]

@@ -34,6 +34,8 @@ COUNTERS = {
     "warmed_chunks": "chunks ordered into the host tier in the background: a user's next facts when the user's "
                      "request arrived (a warm-up), and what a partial load left out",
     "sync_misses": "synchronous loads that found a chunk missing from a rank's node cache (a defect; per rank)",
+    "fetch_processes_started": "fetch processes the ranks started: one per rank as the worker starts, one more after "
+                               "each that exited (its fetches in flight failed: their requests prefilled)",
     "plans_refused": "requests whose load plan was unsigned, altered, for another profile or salt, or with LoRA",
 }
 

@@ -59,6 +59,7 @@ class InferScaleWorker:
         self._host_cache = NodeKvCache()
         self._counts_loads = shard.rank == 0  # every rank writes its heads of each load: one counts it for the node
         self._source = source
+        self._processes_counted = 0  # of the source's fetch processes, those counted in the stats so far
         self._residency = KvResidency(self._cache, self._host_cache, source,
                                       shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
@@ -177,6 +178,9 @@ class InferScaleWorker:
         return failed
 
     def take_stats(self) -> LoadStats | None:
+        started = self._source.processes_started
+        self._stats.add("fetch_processes_started", started - self._processes_counted)
+        self._processes_counted = started
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, LoadStats()

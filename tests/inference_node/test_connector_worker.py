@@ -151,10 +151,27 @@ class _Source:
 
     def __init__(self, make) -> None:
         self.make, self.threads = make, list[str]()
+        self.processes_started = 0
 
     def fetch(self, user_id, chunks, dtype):
         self.threads.append(threading.current_thread().name)
         return self.make(chunks)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_fetch_processes_a_source_started_are_counted_once_each() -> None:
+    source = _Source(lambda chunks: [])
+    worker = _worker_with(source)
+    assert worker.take_stats() is None
+    source.processes_started = 1
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["fetch_processes_started"] == 1
+    assert worker.take_stats() is None
+    source.processes_started = 3
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["fetch_processes_started"] == 2
 
 
 def _worker_with(source: _Source, shard: KvHeadShard = UNSHARDED) -> InferScaleWorker:

@@ -121,7 +121,7 @@ def test_a_fetch_process_that_dies_fails_its_fetches_and_the_next_fetch_starts_a
         assert "exited" in str(errors[0])
         servicer.delay_s = 0
         assert len(source.fetch("stand-in-user", chunks, torch.bfloat16)) == len(chunks)
-        assert source.process_id not in (None, first)
+        assert source.process_id not in (None, first) and source.processes_started == 2
         assert source._arena._free == [(0, source._arena.size)]
     finally:
         source.close()
