@@ -102,7 +102,7 @@ class _Arena:
         no room for them within `timeout_s`."""
         if not sizes:
             return []
-        aligned = [-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes]
+        aligned = _aligned(sizes)
         if sum(aligned) > self.size:
             raise ValueError(f"{sum(aligned)} bytes asked of an arena of {self.size}")
         with self._room:
@@ -124,7 +124,7 @@ class _Arena:
         return offsets
 
     def free(self, offsets: Sequence[int], sizes: Sequence[int]) -> None:
-        aligned = [-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes]
+        aligned = _aligned(sizes)
         with self._room:
             merged: list[tuple[int, int]] = []
             for offset, size in sorted([*self._free, *zip(offsets, aligned, strict=True)]):
@@ -134,6 +134,11 @@ class _Arena:
                     merged.append((offset, size))
             self._free = merged
             self._room.notify_all()
+
+
+def _aligned(sizes: Sequence[int]) -> list[int]:
+    """Each size rounded up to the arena's alignment (what a region of that size takes)."""
+    return [-(-size // _ALIGNMENT) * _ALIGNMENT for size in sizes]
 
 
 @dataclass

@@ -150,11 +150,12 @@ class InferScaleScheduler:
         self._clock = clock
         self._fetch_wait_s = settings.fetch_timeout_s + PREFETCH_GRACE_S
         tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
+        on_cuda = vllm_config.device_config.device_type == "cuda"
         self._directory = NodeCacheDirectory(settings.node_cache_mb << 20,
                                              _bytes_per_token_per_rank(vllm_config.model_config, tensor_parallel_size),
                                              tensor_parallel_size, (settings.host_tier_mb or 0) << 20,
-                                             host_pinned=vllm_config.device_config.device_type == "cuda")
-        self._miss_policy = MissPolicy(settings.kv_miss_policy, vllm_config.device_config.device_type == "cuda")
+                                             host_pinned=on_cuda)
+        self._miss_policy = MissPolicy(settings.kv_miss_policy, on_cuda)
         self._partial: set[str] = set()  # requests the policy (or the lack of room) serves with their resident prefix
         self._outcomes: dict[str, LoadOutcome] = {}  # what became of each request's memory so far
         # Steps built and not yet output, oldest first (when built, tokens scheduled), and when the last output came:
