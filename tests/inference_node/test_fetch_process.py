@@ -6,6 +6,7 @@ fetch starts another, and a region is reused only once the child answered for it
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -53,6 +54,38 @@ def test_a_fetch_through_the_process_equals_the_in_process_byte_path(stand_in) -
             # each its own compact storage: the host tier keeps it as it is
             assert ours.keys.untyped_storage().nbytes() == ours.keys.numel() * 2
         assert source._arena._free == [(0, source._arena.size)]
+    finally:
+        source.close()
+
+
+def test_concurrent_fetches_each_get_their_own_chunks_bytes(stand_in) -> None:
+    """Fetches racing through one arena (small: regions are reused between them) each get exactly their chunks'
+    KV, never bytes another fetch's region held."""
+    address, _, chunks = stand_in
+    direct = MemoryServiceKv(address, 10, slice(1, 2), streams=1).fetch("stand-in-user", chunks, torch.bfloat16)
+    expected = {chunk.key: entry for chunk, entry in zip(chunks, direct, strict=True)}
+    source = _source(address, arena_bytes=256 << 10)
+    errors: list[BaseException] = []
+
+    def fetch(seed: int) -> None:
+        order = list(chunks)
+        random.Random(seed).shuffle(order)
+        try:
+            for _ in range(5):
+                picked = order[: 1 + seed % len(order)]
+                for chunk, entry in zip(picked, source.fetch("stand-in-user", picked, torch.bfloat16), strict=True):
+                    assert torch.equal(entry.keys, expected[chunk.key].keys)
+                    assert torch.equal(entry.values, expected[chunk.key].values)
+        except BaseException as error:
+            errors.append(error)
+
+    try:
+        threads = [threading.Thread(target=fetch, args=(seed,)) for seed in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert errors == [] and source._arena._free == [(0, source._arena.size)]
     finally:
         source.close()
 
