@@ -1,8 +1,9 @@
 """What the two roles send each other, once per step.
 
-Scheduler to workers (`InferScaleConnectorMetadata`, pickled to every worker): the evictions from either tier the
-directory decided, the synchronous loads to write before this step's forward, and the prefetches to start on the
-workers' fetch threads, applied in that order. Workers to scheduler (`PrefetchReport`, summed across
+Scheduler to workers (`InferScaleConnectorMetadata`, pickled to every worker): the device-tier evictions the
+directory decided, the chunks to copy from the host tier into the device tier, the host-tier evictions, the
+synchronous loads to write before this step's forward, and the prefetches to start on the workers' fetch threads,
+applied in that order. Workers to scheduler (`PrefetchReport`, summed across
 tensor-parallel ranks by vLLM's output aggregator): the prefetched chunks each rank settled this step, and the bytes
 and seconds each tier's transfers took (the miss policy's bandwidths).
 """
@@ -50,7 +51,8 @@ class PrefetchSpec:
 @dataclass
 class InferScaleConnectorMetadata(KVConnectorMetadata):
     evictions: tuple[KvKey, ...] = ()  # device-tier entries to drop first
-    host_evictions: tuple[KvKey, ...] = ()  # and host-tier ones
+    promotions: tuple[ChunkLoad, ...] = ()  # then copied from the host tier into the device tier (this step's loads)
+    host_evictions: tuple[KvKey, ...] = ()  # then host-tier entries dropped
     loads: list[LoadSpec] = field(default_factory=list)  # then written, before the forward
     prefetches: list[PrefetchSpec] = field(default_factory=list)  # then started on the fetch threads
 
@@ -78,4 +80,4 @@ class PrefetchReport(KVConnectorWorkerMetadata):
         return self
 
     def is_empty(self) -> bool:
-        return not (self.fetched or self.failed or self.warmed or self.warm_failed)
+        return not (self.fetched or self.failed or self.warmed or self.warm_failed or self.transfer_bytes)

@@ -166,13 +166,15 @@ class NodeCacheDirectory:
     """What every rank's node cache holds, in two tiers (scheduler role, one thread): the device tier (what loads
     read), LRU within `budget_bytes` per rank, and the host tier, LRU within `host_budget_bytes` per rank, where
     chunks fetched from the memory service stay when room was reserved for them, so that a device eviction leaves
-    them one host-to-device copy away.
+    them one host-to-device copy away: a request needing them has them copied back in the step that admits it
+    (`promote`).
 
     A chunk is resident in a tier once every one of the `ranks` reported its prefetch settled (`settle`); while being
     fetched it is reserved (its bytes count, it cannot be evicted); it leaves a tier only by this directory's eviction,
     and the device tier never while a request holds it (`hold`). A key is known with one token-id tuple at a time (the
-    one its prefetch was ordered with). Evictions and prefetches are taken once per step into the connector metadata;
-    workers apply a step's evictions before its loads and its loads before its prefetches. A warm-up (`warm`) brings
+    one its prefetch was ordered with). Evictions, promotions and prefetches are taken once per step into the connector
+    metadata; workers apply a step's device evictions, then its promotions (so no host eviction of the step comes
+    before the copy), then its host evictions, its loads and its prefetches. A warm-up (`warm`) brings
     chunks into the host tier only, into its free room.
     """
 
@@ -192,6 +194,7 @@ class NodeCacheDirectory:
         self._warming: dict[KvKey, _Fetch] = {}  # into the host tier only
         self._holds: Counter[KvKey] = Counter()
         self._prefetches: list[PrefetchSpec] = []
+        self._promotions: list[ChunkLoad] = []
         self._fetch_ids = itertools.count()
 
     @property
@@ -296,6 +299,25 @@ class NodeCacheDirectory:
         self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s, frozenset(keep_on_host)))
         return True
 
+    def promote(self, chunks: Sequence[ChunkLoad]) -> bool:
+        """Makes `chunks` (each in the host tier, neither in the device tier nor being fetched) resident in the device
+        tier at once: every rank copies them from its host tier in this step, before its loads (`take_promotions`).
+        Evicts least recently used device-tier chunks that no request holds to make room; False, changing nothing, if
+        they cannot fit."""
+        unique = list({chunk.key: chunk for chunk in chunks}.values())
+        sizes = [len(chunk.token_ids) * self.bytes_per_token for chunk in unique]
+        victims = self._device.victims(sum(sizes), self._holds)
+        if victims is None:
+            return False
+        self._device.evict(victims)
+        for chunk, size in zip(unique, sizes, strict=True):
+            self._device.reserve(chunk.key, _Resident(size, chunk.token_ids))
+            self._device.settle(chunk.key, fetched=True)
+        self.touch(chunk.key for chunk in unique)
+        self._unused_warm.difference_update(chunk.key for chunk in unique)
+        self._promotions.extend(unique)
+        return True
+
     def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> int:
         """Orders those of `chunks` that neither tier holds nor anyone fetches brought into every rank's host tier
         only, as many as fit; returns how many were ordered. A warm-up takes free room or the room of warmed chunks
@@ -380,6 +402,10 @@ class NodeCacheDirectory:
 
     def take_host_evictions(self) -> tuple[KvKey, ...]:
         return self._host.take_evictions()
+
+    def take_promotions(self) -> tuple[ChunkLoad, ...]:
+        promotions, self._promotions = tuple(self._promotions), []
+        return promotions
 
     def take_prefetches(self) -> list[PrefetchSpec]:
         prefetches, self._prefetches = self._prefetches, []

@@ -1,5 +1,6 @@
 """Node-cache residency: the node's side of a load, over its two tiers (node_cache.py). A synchronous load reads its
-chunks from the device tier alone (`resident`, engine thread: a missing chunk is a defect). A prefetch brings the
+chunks from the device tier alone (`resident`, engine thread: a missing chunk is a defect), where the step's
+promotions (`promote`, engine thread) have copied the host-tier chunks it needs. A prefetch brings the
 chunks the device tier lacks (`fetch`, fetch threads only): from the host tier, by one asynchronous host-to-device
 copy on a copy stream, or, on a host-tier miss, from the worker's KV source (kv_source.py: the memory service, or
 synthetic KV in speed runs), checked against this rank's KV shape and the model dtype before it enters either tier.
@@ -60,6 +61,22 @@ class KvResidency:
         if missing:
             raise NotResident(f"{len(missing)} chunks are not in the node cache (first: {missing[0].key})")
         return [entry for entry in entries if entry is not None]
+
+    def promote(self, chunks: Sequence[ChunkLoad], device: torch.device) -> tuple[int, int]:
+        """Copies `chunks` from the host tier into the device tier on the current stream (engine thread, before the
+        step's loads, which read them in stream order; from pinned memory the copy is a DMA the thread does not wait
+        for). One the host tier lacks is left out: the load that needs it fails (a defect). Returns the chunks and
+        bytes copied."""
+        copied = num_bytes = 0
+        for chunk in chunks:
+            entry = self.host_tier.get(chunk.key, chunk.token_ids)
+            if entry is None or self.device_tier.get(chunk.key, chunk.token_ids) is not None:
+                continue
+            self.device_tier.put(chunk.key, CachedKv(entry.keys.to(device, non_blocking=True),
+                                                     entry.values.to(device, non_blocking=True), entry.token_ids))
+            copied += 1
+            num_bytes += entry.nbytes
+        return copied, num_bytes
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], device: torch.device, dtype: torch.dtype,
               compute_stream: torch.cuda.Stream | None, keep_on_host: Collection[KvKey] = (),

@@ -225,9 +225,10 @@ class InferScaleScheduler:
 
     def _loadable_end(self, request_id: str, proof: ProvenPrefix, chunks: tuple[ChunkLoad, ...],
                       num_computed: int) -> int | str | None:
-        """Where the request's load ends: the proven end if every chunk is resident (it now holds them); None while
-        it waits for prefetches (ordered here when nobody fetches them yet); the start of its first chunk not
-        resident where the miss policy (or the lack of room) serves its resident prefix; or why it cannot load."""
+        """Where the request's load ends: the proven end if every chunk is resident, or in the host tier and copied
+        back in this step (it now holds them); None while it waits for prefetches (ordered here when nobody fetches
+        them yet); the start of its first chunk not resident where the miss policy (or the lack of room) serves its
+        resident prefix; or why it cannot load."""
         directory = self._directory
         if any(directory.knows_other_tokens(chunk) for chunk in chunks):
             return "a chunk's key is known with other token ids"
@@ -246,6 +247,11 @@ class InferScaleScheduler:
             prefilled = proof.end - max(first_missing, num_computed)
             if not self._miss_policy.decide(host_bytes, source_bytes, prefilled).wait:
                 self._serve_partially(request_id)
+        missing = self._promote(admission, chunks, missing, request_id in self._partial)
+        if not missing:
+            self._hold(admission, chunks)
+            return proof.end
+        first_missing = min(chunk.offset for chunk in missing)
         if request_id in self._partial:
             return self._resident_prefix(admission, proof, chunks, missing, first_missing)
         self._hold(admission, chunks)
@@ -265,6 +271,27 @@ class InferScaleScheduler:
         admission.waited.update({chunk.key: fetch_id for chunk in missing
                                  if (fetch_id := directory.fetch_id(chunk.key)) is not None})
         return None
+
+    def _promote(self, admission: _Admission, chunks: tuple[ChunkLoad, ...], missing: list[ChunkLoad],
+                 prefix_only: bool) -> list[ChunkLoad]:
+        """Orders the missing chunks the host tier holds (and nobody fetches) copied into the device tier in this
+        step, before its loads, where the device tier has room for them all (the request holds its chunks first, so
+        none of its own makes that room); returns those still missing. With `prefix_only` (a partial load), only
+        those before the first chunk that has to come from the memory service."""
+        directory = self._directory
+        promotable = []
+        for chunk in sorted(missing, key=lambda chunk: chunk.offset):
+            if directory.is_on_host(chunk) and directory.fetch_id(chunk.key) is None:
+                promotable.append(chunk)
+            elif prefix_only:
+                break
+        if not promotable:
+            return missing
+        self._hold(admission, chunks)
+        if not directory.promote(promotable):
+            return missing
+        promoted = {chunk.key for chunk in promotable}
+        return [chunk for chunk in missing if chunk.key not in promoted]
 
     def _hold(self, admission: _Admission, chunks: Sequence[ChunkLoad]) -> None:
         new_holds = {chunk.key for chunk in chunks} - admission.held
@@ -356,6 +383,7 @@ class InferScaleScheduler:
         if tokens:  # a step of no tokens runs no forward, and its output reaches no connector
             self._steps.append((self._clock(), tokens))
         return InferScaleConnectorMetadata(evictions=self._directory.take_evictions(),
+                                           promotions=self._directory.take_promotions(),
                                            host_evictions=self._directory.take_host_evictions(), loads=loads,
                                            prefetches=self._directory.take_prefetches())
 

@@ -1,7 +1,8 @@
 """The connector's worker role: writes each synchronous load's prefix (gather + RoPE at the final positions with
-the model's own tables) into the request's blocks from the node cache's device tier before the step's forward, and
-prefetches chunks into its tiers on fetch threads (residency.py), reporting each settled chunk, and each tier's
-bytes and time, to the scheduler role.
+the model's own tables) into the request's blocks from the node cache's device tier before the step's forward (the
+host-tier chunks the step's loads need copied back into it first, in stream order), and prefetches chunks into its
+tiers on fetch threads (residency.py), reporting each settled chunk, and each tier's bytes and time, to the
+scheduler role.
 
 On CUDA with the cache in the model dtype one fused Triton kernel composes and writes (`compose.compose_into_cache`);
 elsewhere torch ops compose (`compose.compose_prefix`) and each attention layer's own `do_kv_cache_update`
@@ -31,6 +32,7 @@ from inference_node.connector.residency import FetchCounts, KvResidency, NotResi
 from inference_node.connector.stats import LoadStats
 from inference_node.connector.tensor_parallel import UNSHARDED, KvHeadShard, current_shard
 from inference_node.kv_fetch import CachedKv
+from inference_node.plan import ChunkLoad
 from inference_node.settings import NodeSettings
 from inferscale_kv.rope import RotaryTables
 from inferscale_kv.shape import KvShape
@@ -66,6 +68,7 @@ class InferScaleWorker:
         self._fetcher: ThreadPoolExecutor | None = None
         self._warmer: ThreadPoolExecutor | None = None
         self._prefetching: list[tuple[PrefetchSpec, Future[FetchCounts]]] = []
+        self._promoted: list[tuple[int, int, _CopyTiming]] = []  # chunks, bytes, timing: not yet counted
         self._failed_blocks: set[int] = set()
         self._stats = LoadStats()
 
@@ -78,9 +81,12 @@ class InferScaleWorker:
                    shard)
 
     def start_load_kv(self, metadata: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
-        """Applies the directory's evictions, writes every load before this step's forward (from the device tier
-        only), then starts the step's prefetches on the fetch threads. Never raises; never waits on the network."""
+        """Applies the directory's device evictions, copies the step's promotions from the host tier, applies its
+        host evictions, writes every load before this step's forward (from the device tier only), then starts the
+        step's prefetches on the fetch threads. Never raises; never waits on the network or a copy."""
         self._cache.remove(metadata.evictions)
+        if metadata.promotions:
+            self._promote(metadata.promotions, forward_context)
         self._host_cache.remove(metadata.host_evictions)
         for spec in metadata.loads:
             if self._counts_loads:
@@ -102,6 +108,20 @@ class InferScaleWorker:
                 self._fail(spec, repr(exc))
         for prefetch in metadata.prefetches:
             self._start_prefetch(prefetch, forward_context)
+
+    def _promote(self, chunks: tuple[ChunkLoad, ...], forward_context: ForwardContext) -> None:
+        """Copies the step's promotions from the host tier into the device tier, ahead of its loads on the compute
+        stream; timed by events the next reports read once the copy is done. Never raises: a chunk left out fails
+        the load that needs it."""
+        try:
+            device = _layer_cache(next(iter(self._attention_layers(forward_context).values()))).device
+            timing = _CopyTiming(device)
+            copied, num_bytes = self._residency.promote(chunks, device)
+            timing.stop()
+        except Exception:
+            logger.exception("InferScale defect: copying %d chunks from the host tier raised", len(chunks))
+            return
+        self._promoted.append((copied, num_bytes, timing))
 
     def _start_prefetch(self, spec: PrefetchSpec, forward_context: ForwardContext) -> None:
         """Fetches the chunks into the node cache on a fetch thread (reported by build_worker_meta)."""
@@ -156,6 +176,15 @@ class InferScaleWorker:
             settled.update(keys)
             self._count_transfers(counts, report if spec.to_device else None)
         self._prefetching = running
+        pending = []
+        for copied, num_bytes, timing in self._promoted:
+            seconds = timing.seconds()
+            if seconds is None:
+                pending.append((copied, num_bytes, timing))
+            else:
+                self._count_transfers(FetchCounts(from_host=copied, host_bytes=num_bytes, host_seconds=seconds),
+                                      report)
+        self._promoted = pending
         return None if report.is_empty() else report
 
     def _count_transfers(self, counts: FetchCounts, report: PrefetchReport | None) -> None:
@@ -249,6 +278,31 @@ class InferScaleWorker:
                 raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
         self._timer.mark("write")
+
+
+class _CopyTiming:
+    """How long copies issued on the current stream took: CUDA events read once they completed (never waited
+    for), or wall time where copies are synchronous."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._started = time.perf_counter()
+        self._seconds: float | None = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        if self._events is None:
+            self._seconds = time.perf_counter() - self._started
+        else:
+            self._events[1].record()
+
+    def seconds(self) -> float | None:
+        """The copies' time, or None while they run."""
+        if self._events is not None and self._seconds is None and self._events[1].query():
+            self._seconds = self._events[0].elapsed_time(self._events[1]) / 1000
+        return self._seconds
 
 
 def _layer_cache(layer: Any) -> torch.Tensor:

@@ -558,7 +558,8 @@ def test_what_a_partial_load_left_out_comes_into_the_host_tier_and_the_next_requ
                                                                                               clock) -> None:
     """The GPU cold run (benchmarks/RESULTS.md): background fetches into a device tier for two users were refused for
     room, so the users' next requests fetched everything again. With a host tier they go there, evicting nobody's
-    device-tier chunk, and the next request waits only for a host-to-device copy."""
+    device-tier chunk, and the next request loads in the step that admits it, its chunk copied back from the host
+    tier first (a later GPU run found such a request waiting a step for its copy: 7 ms of queue)."""
     scheduler = _scheduler(monkeypatch, clock, kv_miss_policy="auto", host_tier_mb=1)
     request = _with_header_resident(scheduler)
     scheduler._miss_policy.source_bytes.per_second = 1.0  # the service's bytes: slower than prefill
@@ -570,8 +571,47 @@ def test_what_a_partial_load_left_out_comes_into_the_host_tier_and_the_next_requ
     nxt = _request("r2", plan=_plan(fact=OTHER_FACT), prompt=HEADER + list(OTHER_FACT) + [99])
     scheduler._miss_policy.prefill_tokens.per_second = 100.0  # (this toy fact is 3 tokens: a real one is ~34)
     answers, metadata = _step(scheduler, nxt)
-    assert answers == {"r2": None}  # a copy from the host tier is faster than prefilling the fact: it waits
-    (copy,) = metadata.prefetches
-    assert copy.to_device and copy.keep_on_host == frozenset()
-    _settle(scheduler, metadata)
-    assert _step(scheduler, nxt)[0] == {"r2": MEMORY}
+    assert answers == {"r2": MEMORY} and not metadata.prefetches  # no wait: the copy comes before the load
+    assert [chunk.token_ids for chunk in metadata.promotions] == [OTHER_FACT]
+    (load,) = metadata.loads
+    assert [chunk.token_ids for chunk in load.chunks][-1] == OTHER_FACT
+
+
+def test_a_host_tier_chunk_is_copied_back_in_the_admitting_step_never_at_the_cost_of_the_requests_own_chunks(
+        monkeypatch, clock) -> None:
+    """The room a promotion makes never comes from the request's own resident chunks: it holds them first (else its
+    header, the least recently used, would be evicted under the load that reads it)."""
+    scheduler = _scheduler(monkeypatch, clock, host_tier_mb=1)
+    first = _with_header_resident(scheduler)  # the header and FACT resident in both tiers
+    _, metadata = _step(scheduler, first)
+    _settle(scheduler, metadata)  # OTHER_FACT too, the most recently used
+    scheduler.request_finished(first)
+    directory = scheduler._directory
+    (other,) = metadata.prefetches[0].chunks
+    header = next(ChunkLoad(key, entry.token_ids, 0) for key, entry in directory._device.resident.items()
+                  if entry.token_ids == tuple(HEADER))
+    directory._device.evict([other.key])  # as under pressure: the device tier alone lets it go
+    directory.take_evictions()
+    directory._device.budget_bytes = directory.bytes_used + len(OTHER_FACT) * directory.bytes_per_token - 1
+    answers, metadata = _step(scheduler, _request("r2", plan=_plan(fact=OTHER_FACT),
+                                                  prompt=HEADER + list(OTHER_FACT) + [99]))
+    assert answers == {"r2": MEMORY} and not metadata.prefetches  # loaded in its first step
+    assert metadata.promotions == (other,)
+    assert header.key not in metadata.evictions and len(metadata.evictions) == 1  # FACT's chunk made the room
+    assert directory.is_resident(header) and directory.is_resident(other)
+
+
+def test_a_partial_load_copies_back_the_host_tier_chunks_before_the_first_one_it_must_fetch(monkeypatch,
+                                                                                          clock) -> None:
+    """The miss policy serves the request at once: its resident prefix runs through the chunks the host tier holds
+    (copied back in this step) up to the first chunk only the memory service has, which vLLM prefills."""
+    scheduler = _scheduler(monkeypatch, clock, host_tier_mb=1)
+    request = _with_header_resident(scheduler)
+    scheduler._miss_policy.mode = "best-effort"
+    directory = scheduler._directory
+    header_key = next(iter(directory._device.resident))
+    directory._device.evict([header_key])  # the header on the host only, the fact in neither tier
+    answers, metadata = _step(scheduler, request)
+    assert answers == {"r1": len(HEADER)}
+    assert [chunk.token_ids for chunk in metadata.promotions] == [tuple(HEADER)]
+    assert [chunk.token_ids for chunk in metadata.prefetches[0].chunks] == [OTHER_FACT]  # for the next request

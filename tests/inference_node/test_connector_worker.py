@@ -288,6 +288,33 @@ def test_a_chunk_evicted_from_the_device_tier_comes_back_from_the_host_tier_not_
     assert _report_of(worker).fetched and len(source.threads) == 2  # gone from both tiers: from the source
 
 
+def test_a_promotion_copies_host_tier_chunks_into_the_device_tier_before_the_steps_loads(layers) -> None:
+    """Host -> device in the step that loads them: the step's promotions are copied before its loads (which then
+    write), even when the same step evicts them from the host tier; counted as host-tier hits with their bytes, and
+    their bandwidth reported to the miss policy. A promotion the host tier lacks fails its load (a defect)."""
+    synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
+    source = _Source(lambda chunks: synthetic.fetch("u1", chunks, torch.float32))
+    worker = _worker_with(source)
+    keys = tuple(chunk.key for chunk in CHUNKS)
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[
+        PrefetchSpec("u1", CHUNKS, keep_on_host=frozenset(keys), to_device=False)]), _forward_context(layers))
+    _report_of(worker)
+    worker.take_stats()
+    spec = LoadSpec("r1", "u1", CHUNKS, 0, 7, (5, 6))
+    worker.start_load_kv(InferScaleConnectorMetadata(promotions=CHUNKS, host_evictions=keys, loads=[spec]),
+                         _forward_context(layers))
+    assert worker.take_failed_blocks() == set() and len(source.threads) == 1
+    assert all(layer.written for layer in layers.values())
+    report = _report_of(worker)
+    nbytes = sum(2 * LAYERS * KV_HEADS * HEAD_DIM * 4 * len(chunk.token_ids) for chunk in CHUNKS)
+    assert report.transfer_bytes == Counter(host=nbytes) and report.transfer_micros["host"] > 0
+    stats = worker.take_stats()
+    assert stats is not None and (stats.data["host_tier_hits"], stats.data["host_bytes_copied"]) == (2, nbytes)
+    worker.start_load_kv(InferScaleConnectorMetadata(evictions=keys, promotions=CHUNKS, loads=[spec]),
+                         _forward_context(layers))
+    assert worker.take_failed_blocks() == {5, 6}  # evicted from the host tier above: nothing to copy
+
+
 def test_a_warm_up_puts_chunks_in_the_host_tier_only(layers) -> None:
     synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
     source = _Source(lambda chunks: synthetic.fetch("u1", chunks, torch.float32))

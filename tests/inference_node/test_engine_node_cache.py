@@ -123,10 +123,12 @@ def test_a_defect_fails_its_request_and_the_next_one_fetches_again_and_loads(sce
     _equals(after, scenario["text"])
 
 
-def test_a_chunk_the_device_tier_evicted_comes_back_from_the_host_tier_without_a_fetch(scenario) -> None:
+def test_a_chunk_the_device_tier_evicted_comes_back_from_the_host_tier_without_a_fetch_or_a_wait(scenario) -> None:
+    """Copied back in the step that admits the request, before its load, as a warm request is admitted."""
     assert all(scenario["on_host_before"])
     from_host = scenario["from_host"]
-    assert from_host["waits"] >= 1 and from_host["claims"] == [scenario["memory_tokens"]]
+    assert from_host["waits"] == 0 and from_host["admitted_after"] == 1
+    assert from_host["claims"] == [scenario["memory_tokens"]]
     assert from_host["fetch_attempts"] == 0 and from_host["fetches"] == 0 and all(from_host["resident_after"])
     _equals(from_host, scenario["text"])
 

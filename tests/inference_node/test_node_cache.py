@@ -228,3 +228,23 @@ def test_warmed_chunks_are_the_first_to_go_and_make_room_only_for_other_warm_ups
     assert directory.warm("u", [_chunk(4)], now=0.0, wait_s=1.0) == 1  # in place of the other warmed chunk
     assert directory.take_host_evictions() in ((_key(1),), (_key(2),))
     assert directory.warm("u", [_chunk(5)], now=0.0, wait_s=1.0) == 0  # only used chunks (and a reserved one) left
+
+
+def test_a_promotion_makes_host_tier_chunks_resident_at_once_evicting_only_unheld_chunks() -> None:
+    """Host tier -> device tier in the step that loads them: resident at once (each rank copies them before its
+    loads), room made from the least recently used chunks nobody holds; one that cannot fit changes nothing."""
+    directory = NodeCacheDirectory(budget_bytes=200, bytes_per_token=10, host_budget_bytes=1000)
+    for fact in range(3):
+        _fetched(directory, fact)  # on the host: 0, 1, 2; on the device: 1, 2
+    directory.take_evictions()
+    directory.take_prefetches()
+    directory.hold([_key(1)])
+    assert directory.promote([_chunk(0)])
+    assert directory.is_resident(_chunk(0)) and directory.fetch_id(_key(0)) is None
+    assert directory.take_evictions() == (_key(2),)  # 1 is held
+    assert directory.take_promotions() == (_chunk(0),) and directory.take_promotions() == ()
+    assert not directory.take_prefetches() and directory.take_host_evictions() == ()
+    directory.hold([_key(0)])
+    assert not directory.promote([_chunk(2)])  # 0 and 1 held: no room, nothing changes
+    assert directory.take_evictions() == () and directory.take_promotions() == ()
+    assert directory.is_resident(_chunk(0)) and directory.is_resident(_chunk(1)) and directory.bytes_used == 200
