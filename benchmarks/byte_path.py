@@ -3,7 +3,7 @@ and CPU seconds per GB, from the service's host cache and from its durable tier,
 on S3 (SeaweedFS on this machine).
 
     python -m benchmarks.byte_path [--store dir s3] [--users 2] [--facts-per-user 30] [--k 20] [--streams 1 4]
-        [--callers 1 2] [--duration-s 6] [--fetch-process] [--legacy]
+        [--callers 1 2] [--duration-s 6] [--fetch-process] [--legacy] [--durable-reads]
 
 For each store: starts a memory service, has the synthetic worker compute Llama-3-8B-shaped bf16 KV (~4.4 MiB per
 fact) for every user's facts, asks RetrieveAndStage for each user's top k (as a node does) and then, per phase, runs
@@ -15,8 +15,10 @@ cache, so this is the service's read path, not the disk). `--streams` are Memory
 calls per fetch, in this process; `--fetch-process` adds the serving path, the same fetch in a fetch process
 (inference_node.fetch_process) handing its decoded heads over through shared memory, copied out here; `--legacy` adds
 the path before (one FetchKv, each reply parsed into a protobuf message, the blob copied by decode_kv_blob, then the
-heads copied). CPU seconds count the node (this process, which stands for vLLM's engine process, and the fetch
-process), the service and SeaweedFS.
+heads copied); `--durable-reads` adds the node reading each blob from the service's durable tier itself (the
+directory, or the bucket with the service's credentials standing for a read-only key: --kv-durable-tier), in this
+process and with `--fetch-process` in a fetch process. CPU seconds count the node (this process, which stands for
+vLLM's engine process, and the fetch process), the service and SeaweedFS.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import random
 import resource
 import statistics
@@ -45,6 +48,7 @@ from benchmarks.memory_step import populate
 from demo.smollm2 import build_smollm2
 from harness.memory_service import MemoryServiceProcess
 from harness.servers import S3Endpoint, postgres_server, seaweedfs_s3
+from inference_node.durable_blobs import durable_blobs
 from inference_node.fetch_process import FetchProcessKv
 from inference_node.kv_fetch import CachedKv, MemoryServiceKv
 from inference_node.plan import ChunkLoad
@@ -84,18 +88,18 @@ def legacy_fetch(address: str) -> Fetch:
     return fetch
 
 
-def new_fetch(address: str, streams: int) -> tuple[Fetch, NodePids]:
-    source = MemoryServiceKv(address, 60, slice(None), streams=streams)
+def new_fetch(address: str, durable_tier: str, streams: int) -> tuple[Fetch, NodePids]:
+    source = MemoryServiceKv(address, 60, slice(None), streams=streams, durable=durable_blobs(durable_tier))
     return (lambda user_id, chunks: source.fetch(user_id, chunks, torch.bfloat16)), list
 
 
-def process_fetch(address: str, shape: KvShape) -> tuple[Fetch, NodePids]:
-    source = FetchProcessKv(address, 60, slice(0, shape.num_kv_heads), shape)
+def process_fetch(address: str, durable_tier: str, shape: KvShape) -> tuple[Fetch, NodePids]:
+    source = FetchProcessKv(address, 60, slice(0, shape.num_kv_heads), shape, durable_tier=durable_tier)
     return ((lambda user_id, chunks: source.fetch(user_id, chunks, torch.bfloat16)),
             lambda: [pid] if (pid := source.process_id) is not None else [])
 
 
-def legacy(address: str) -> tuple[Fetch, NodePids]:
+def legacy(address: str, durable_tier: str) -> tuple[Fetch, NodePids]:
     return legacy_fetch(address), list
 
 
@@ -208,6 +212,9 @@ def main() -> None:
     parser.add_argument("--fetch-process", action="store_true",
                         help="also measure the serving path: the fetch in a fetch process, shared memory")
     parser.add_argument("--legacy", action="store_true", help="also measure the path before (one stream, protobuf)")
+    parser.add_argument("--durable-reads", action="store_true",
+                        help="also measure the node reading the service's durable tier itself (--kv-durable-tier), "
+                        "in this process and, with --fetch-process, in a fetch process")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "byte_path.json")
     args = parser.parse_args()
@@ -220,10 +227,13 @@ def main() -> None:
                                "date": datetime.now(UTC).isoformat(timespec="seconds"),
                                "cpus": psutil.cpu_count(), "phases": []}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    paths: list[tuple[str, Callable[[str], tuple[Fetch, NodePids]]]] = [
-        (f"streams={streams}", functools.partial(new_fetch, streams=streams)) for streams in args.streams]
+    # Each path: (name, reads the durable tier itself, make(address, durable tier location)).
+    paths: list[tuple[str, bool, Callable[[str, str], tuple[Fetch, NodePids]]]] = [
+        (f"streams={streams}", False, functools.partial(new_fetch, streams=streams)) for streams in args.streams]
     if args.legacy:
-        paths.insert(0, ("legacy", legacy))
+        paths.insert(0, ("legacy", False, legacy))
+    if args.durable_reads:
+        paths.append(("durable tier, in process", True, functools.partial(new_fetch, streams=1)))
     with tempfile.TemporaryDirectory(prefix="byte-path-") as scratch:
         work = Path(scratch)
         model_dir = build_dummy_model(work / args.shape, args.shape, tokenizer_dir, "bfloat16")
@@ -233,10 +243,17 @@ def main() -> None:
         header_ids = tuple(memory_header_ids(tokenizer))
         if args.fetch_process:
             shape = KvShape.from_config(AutoConfig.from_pretrained(model_dir))
-            paths.append(("fetch process", functools.partial(process_fetch, shape=shape)))
+            paths.append(("fetch process", False, functools.partial(process_fetch, shape=shape)))
+            if args.durable_reads:
+                paths.append(("durable tier, fetch process", True, functools.partial(process_fetch, shape=shape)))
         for kind in args.store:
-            with store(kind, work) as (flags, env, _):
+            with store(kind, work) as (flags, env, s3):
                 data = work / f"data-{kind}"
+                # Where the service keeps its durable tier, as a node's --kv-durable-tier names it (for a bucket, the
+                # endpoint and credentials from the environment, which the fetch process inherits).
+                durable_tier = str(data / "kv" / "blobs") if s3 is None else "s3://bytepath/service/kv"
+                if s3 is not None:
+                    os.environ.update({**env, "AWS_ENDPOINT_URL": s3.url, "AWS_DEFAULT_REGION": "us-east-1"})
                 for tier in args.tiers:
                     tier_flags = ["--kv-host-budget-mb", "0"] if tier == "durable" else []
                     service = MemoryServiceProcess(data, work / f"{kind}-{tier}.log", *flags, *tier_flags,
@@ -246,8 +263,8 @@ def main() -> None:
                             populate(service, model_dir, users, args.facts_per_user, 2, "bfloat16", env)
                         plan = fetch_plan(service, users, profile, args.k, header_ids)
                         pids = [service.pid, *(weed_pids() if kind == "s3" else [])]
-                        for name, make in paths:
-                            fetch, node_pids = make(service.address)
+                        for name, direct, make in paths:
+                            fetch, node_pids = make(service.address, durable_tier if direct else "")
                             for callers in args.callers:
                                 phase = {"store": kind, "tier": tier, "path": name,
                                          **run_phase(fetch, node_pids, plan, callers, args.duration_s, pids)}

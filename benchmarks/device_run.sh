@@ -32,6 +32,7 @@
 #
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
 # Contenders kv (always injects), kv-auto (the node's crossover policy, where its users fit), text, text-stable, off.
+# DURABLE_READS=1 before prepare-cold / prepare-cold-wait: their nodes read the service's KV directory themselves.
 # Issue 41's GPU evidence: prepare-cold + cold, prepare-cold-wait + cold-wait, prepare-defaults + defaults (a prepare
 # and its measurement fit one call where the prepare is not cut; run the same call again if it is: it resumes).
 # On the CPU (a check of the stages, not a result): BENCH_SHAPE=llama-tiny BENCH_MODEL=<tokenizer folder>
@@ -58,6 +59,8 @@ cold_users=${COLD_USERS:-$((2 * cold_requests))}
 cold_node="--dtype $dtype --max-model-len 4096 --gpu-memory-utilization 0.6"  # + a device tier for two users (serve)
 cold_prepare=(--workloads cold --cold-users "$cold_users" --cold-k 20 --facts-per-user 50 --kv-auto --tails
   --service-flags "--embedding-threads 8 --kv-host-budget-mb 36000")
+# DURABLE_READS=1: the cold nodes read fact KV from the service's KV directory themselves (--kv-durable-tier).
+[ -n "${DURABLE_READS:-}" ] && cold_prepare+=(--durable-reads)
 defaults_users=${DEFAULTS_USERS:-32}
 contenders=(--kv-auto --tails)
 quiet() { grep --line-buffered -v "it/s\]$\|req/s\]$\|s/req\]$\|fact/s\]$\|user/s\]$"; }

@@ -500,6 +500,8 @@ def prepare(session: Session, plans: list[WorkloadPlan], args: argparse.Namespac
             node_flags += ["--load-format", "dummy"]
         if args.load_stats:
             node_flags += ["--load-stats-path", str(work / "loads.jsonl")]
+        if args.durable_reads:
+            node_flags += ["--kv-durable-tier", str(work / "data" / "kv" / "blobs")]
         cold = [plan for plan in plans if plan.warm_users]
         if cold:
             session.node_cache_mb = cold_node_cache_mb(model_dir, args.kv_dtype, cold[0].workload,
@@ -630,7 +632,7 @@ def _connector_note(row: dict) -> str:
 # What a session's memories and servers are made with: an attached run takes them from the state file.
 SETUP_ARGS = ("workloads", "users", "facts_per_user", "fact_clauses", "locomo", "varying_facts", "long_users",
               "long_clauses", "long_max_model_len", "cold_users", "model", "shape", "kv_dtype",
-              "load_stats", "node_flags", "service_flags", "max_tokens")
+              "load_stats", "durable_reads", "node_flags", "service_flags", "max_tokens")
 
 
 def _setup_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -714,6 +716,9 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="float32", help="the worker's compute and storage dtype")
     parser.add_argument("--load-stats", action="store_true",
                         help="record the connector's per-load phases (synchronizes the device per load)")
+    parser.add_argument("--durable-reads", action="store_true",
+                        help="the node reads fact KV from the memory service's KV directory itself "
+                        "(--kv-durable-tier), asking the service only for what it lacks")
     parser.add_argument("--output", type=Path, default=Path("results/serve"))
     parser.add_argument("--node-flags", default="--dtype float32 --max-model-len 4096",
                         help="vLLM flags for the node")

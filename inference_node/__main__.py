@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference_node.crossover import MEASURED, crossover_flag, measured_crossover, shape_key
+from inference_node.durable_blobs import DirectoryBlobs, durable_blobs
 from inference_node.plan import PLAN_SECRET_ENV, PlanSecretMissing, plan_secret_from_env
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale_kv.device_telemetry import read_device
@@ -127,6 +128,12 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
             device_bytes, _gpu_memory_utilization(vllm_args), weights_bytes(model_dir) // ranks),
         host_tier_mb=(settings.host_tier_mb if settings.host_tier_mb is not None
                       else default_host_tier_mb(host_memory_bytes(), device_bytes, ranks)))
+    try:
+        durable = durable_blobs(settings.kv_durable_tier)
+    except ValueError as error:
+        raise SystemExit(f"inference_node: {error}") from None
+    if isinstance(durable, DirectoryBlobs) and not durable.root.is_dir():
+        raise SystemExit(f"inference_node: --kv-durable-tier: {durable.root} is not a directory")
     if settings.recompute_tail_facts < 0:
         raise SystemExit("inference_node: --recompute-tail-facts must be 0 or more")
     if settings.recompute_tail_facts > settings.max_top_k:

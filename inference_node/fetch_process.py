@@ -172,8 +172,10 @@ class FetchProcessKv:
     deadline is killed: its exit frees every region it could still write into and fails its other requests."""
 
     def __init__(self, address: str, timeout_s: float, heads: slice, rank_shape: KvShape,
-                 pin_memory: bool | None = None, arena_bytes: int = FETCH_ARENA_BYTES) -> None:
+                 pin_memory: bool | None = None, arena_bytes: int = FETCH_ARENA_BYTES, durable_tier: str = "") -> None:
+        """`durable_tier`: where the child reads fact KV before asking the memory service (--kv-durable-tier)."""
         self.address = address
+        self.durable_tier = durable_tier
         self.timeout_s = timeout_s
         self.rank_shape = rank_shape
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -292,7 +294,8 @@ class FetchProcessKv:
                    "--address", self.address, "--timeout-s", str(self.timeout_s),
                    "--heads", f"{self._heads.start}:{self._heads.stop}", "--layers", str(self.rank_shape.num_layers),
                    "--head-dim", str(self.rank_shape.head_dim), "--arena-fd", str(self._memory_file),
-                   "--arena-bytes", str(self._arena.size), "--control-fd", str(theirs.fileno())]
+                   "--arena-bytes", str(self._arena.size), "--control-fd", str(theirs.fileno()),
+                   "--durable-tier", self.durable_tier]
         try:
             process = subprocess.Popen(command, pass_fds=(self._memory_file, theirs.fileno()),
                                        stdin=subprocess.DEVNULL)
@@ -361,12 +364,14 @@ class FetchProcessKv:
 
 def _serve(arguments: argparse.Namespace) -> None:
     """The child: fetches what each request names into the arena regions it names, answering each (in any order)."""
+    from inference_node.durable_blobs import durable_blobs
     from inference_node.kv_fetch import MemoryServiceKv
 
     memory = mmap.mmap(arguments.arena_fd, arguments.arena_bytes)
     arena = torch.frombuffer(memory, dtype=torch.uint8)
     first, last = (int(bound) for bound in arguments.heads.split(":"))
-    source = MemoryServiceKv(arguments.address, arguments.timeout_s, slice(first, last), pin_memory=False)
+    source = MemoryServiceKv(arguments.address, arguments.timeout_s, slice(first, last), pin_memory=False,
+                             durable=durable_blobs(arguments.durable_tier))
     control = socket.socket(fileno=arguments.control_fd)
     answering = threading.Lock()
 
@@ -408,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--arena-fd", type=int, required=True)
     parser.add_argument("--arena-bytes", type=int, required=True)
     parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--durable-tier", default="", help="the node's --kv-durable-tier")
     _serve(parser.parse_args(argv))
 
 

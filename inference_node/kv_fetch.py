@@ -1,7 +1,8 @@
 """The node's byte path: fact KV from the memory service into host tensors, this rank's heads only. Free of vLLM:
 it runs in the node's fetch process (inference_node.fetch_process), out of vLLM's engine process.
 
-`MemoryServiceKv` fetches a prefetch's chunks over a few concurrent streaming `FetchKv` calls (each on a connection of
+`MemoryServiceKv` reads a prefetch's chunks from the memory service's durable tier where the node is given it
+(durable_blobs.py), and fetches the others over a few concurrent streaming `FetchKv` calls (each on a connection of
 its own), each chunk asked for by its full key (content id included); each blob is checked (checksum, key, token ids)
 and decoded on the host as it arrives, in native code. Under tensor parallelism each rank keeps only its KV heads; the
 blob over the wire holds every head.
@@ -12,13 +13,14 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import torch
 
+from inference_node.durable_blobs import DurableBlobs
 from inference_node.plan import ChunkLoad
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_heads
@@ -29,6 +31,9 @@ from inferscale_kv.kv_key import KvKey
 # gRPC's and tops out near 1.5 GB/s. On a host of few cores the extra streams only cost CPU (2 cores: 0.61 GB/s on
 # four against 0.64 on one; benchmarks/RESULTS.md, "The byte path"), so they are used from 8 cores up.
 FETCH_STREAMS = 4 if (os.cpu_count() or 1) >= 8 else 1
+# Durable-tier reads in flight per fetch process: on 2 cores, 1.4 GB/s on one thread and 2.2 on two (benchmarks/
+# RESULTS.md, "Straight from the durable tier").
+DURABLE_READERS = min(8, max(2, os.cpu_count() or 1))
 FETCH_KV_METHOD = "/inferscale.v1.MemoryService/FetchKv"
 FETCH_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", 256 << 20),
@@ -102,8 +107,11 @@ class MemoryServiceKv:
     Python, and a blob never parsed into a protobuf message (`fetch_reply_blob`)."""
 
     def __init__(self, address: str, timeout_s: float, heads: slice, streams: int = FETCH_STREAMS,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, durable: DurableBlobs | None = None) -> None:
+        """`durable`: the memory service's durable tier, read first (durable_blobs.py); FetchKv then brings only
+        what it lacks."""
         self.address = address
+        self.durable = durable
         self.timeout_s = timeout_s
         self.streams = max(1, streams)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -111,6 +119,7 @@ class MemoryServiceKv:
         self._fetches: list[Callable[..., Any]] = []
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._reader_pool: ThreadPoolExecutor | None = None
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
               into: Sequence[torch.Tensor] | None = None, timeout_s: float | None = None) -> list[CachedKv]:
@@ -125,6 +134,41 @@ class MemoryServiceKv:
             raise ValueError("a fetch names a chunk twice")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         buffers = dict(zip((chunk.key for chunk in chunks), into, strict=True)) if into is not None else {}
+        fetched = self._read_durable(chunks, dtype, buffers) if self.durable else {}
+        rest = [chunk for chunk in chunks if chunk.key not in fetched]
+        if rest:
+            fetched.update(self._fetch_streams(user_id, rest, dtype, buffers, timeout_s))
+        return [fetched[chunk.key] for chunk in chunks]
+
+    def _read_durable(self, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
+                      buffers: dict[KvKey, torch.Tensor]) -> dict[KvKey, CachedKv]:
+        """The chunks the durable tier holds, read several at once, each checked and decoded like a FetchKv reply;
+        raises the first error of any read (CorruptKvBlob for a blob that fails its checks) once every read has
+        ended: none writes into `buffers` after this returns. A read that hangs holds the fetch past its deadline
+        (the fetch process is then killed, fetch_process.py)."""
+        assert self.durable is not None
+        durable = self.durable
+
+        def read(chunk: ChunkLoad) -> CachedKv | None:
+            blob = durable.read(chunk.key)
+            return None if blob is None else self._decoded(chunk, blob, dtype, buffers.get(chunk.key))
+
+        futures = [self._readers().submit(read, chunk) for chunk in chunks]
+        wait(futures)
+        return {chunk.key: entry for chunk, future in zip(chunks, futures, strict=True)
+                if (entry := future.result()) is not None}
+
+    def _decoded(self, chunk: ChunkLoad, blob: memoryview, dtype: torch.dtype,
+                 out: torch.Tensor | None) -> CachedKv:
+        """The blob's heads of this rank, checked (checksum, key, token ids) and decoded into `out` (or new)."""
+        kv = decode_kv_heads(blob, dtype, self._heads, self.pin_memory, out)
+        if kv.header.key != chunk.key or kv.header.token_ids != chunk.token_ids:
+            raise CorruptKvBlob(f"{chunk.key}: a blob of another key or other tokens was stored under its name")
+        return CachedKv(kv.keys, kv.values, kv.header.token_ids)
+
+    def _fetch_streams(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
+                       buffers: dict[KvKey, torch.Tensor], timeout_s: float) -> dict[KvKey, CachedKv]:
+        """`chunks` over the concurrent FetchKv calls, split between them in order."""
         ordered = sorted(chunks, key=lambda chunk: not chunk.key.is_header)  # the header, if any, first
         count = min(self.streams, len(ordered))
         groups = [ordered[len(ordered) * index // count: len(ordered) * (index + 1) // count]
@@ -138,7 +182,7 @@ class MemoryServiceKv:
             fetched.update(future.result())
         if state.error is not None:
             raise state.error
-        return [fetched[chunk.key] for chunk in chunks]
+        return fetched
 
     def _fetch_group(self, fetch: Callable[..., Any], user_id: str, group: Sequence[ChunkLoad], dtype: torch.dtype,
                      state: _Streams, buffers: dict[KvKey, torch.Tensor], timeout_s: float) -> dict[KvKey, CachedKv]:
@@ -164,16 +208,21 @@ class MemoryServiceKv:
                 blob = fetch_reply_blob(reply)
                 if not blob:
                     raise LookupError(f"memory service has no KV for {chunk.key}")
-                kv = decode_kv_heads(blob, dtype, self._heads, self.pin_memory, buffers.get(chunk.key))
-                if kv.header.key != chunk.key or kv.header.token_ids != chunk.token_ids:
-                    raise CorruptKvBlob(f"{chunk.key}: the memory service sent KV of another key or other tokens")
-                fetched[chunk.key] = CachedKv(kv.keys, kv.values, kv.header.token_ids)
+                fetched[chunk.key] = self._decoded(chunk, blob, dtype, buffers.get(chunk.key))
             else:
                 if next(replies, None) is not None:
                     raise LookupError(f"memory service sent more KV entries than the {len(group)} requested")
         except Exception as error:  # kept for the caller, which raises the first
             state.failed(error)
         return fetched
+
+    def _readers(self) -> ThreadPoolExecutor:
+        """The threads that read the durable tier (made once): file and socket reads, checksums and copies all run
+        in native code without the GIL, so they read in parallel."""
+        with self._lock:
+            if self._reader_pool is None:
+                self._reader_pool = ThreadPoolExecutor(max_workers=DURABLE_READERS, thread_name_prefix="kv-read")
+            return self._reader_pool
 
     def _connections(self) -> tuple[list[Callable[..., Any]], ThreadPoolExecutor]:
         """One FetchKv callable per stream, each on a channel with a connection of its own (gRPC shares a connection

@@ -44,6 +44,11 @@ class NodeSettings:
         "bringing its bytes (at each tier's measured bandwidth) is faster than prefilling it, else loads the "
         "resident prefix and prefills the rest while the missing KV is fetched in the background; wait waits (but "
         "for KV that cannot fit the device tier); best-effort never does")
+    kv_durable_tier: str = option(
+        "", help="read fact KV straight from the memory service's durable tier, asking the service only for what it "
+        "lacks: its KV directory (<its --data-dir>/kv/blobs, mounted read-only) or s3://BUCKET/PREFIX/kv (its "
+        "--store-uri and /kv; endpoint from AWS_ENDPOINT_URL, read-only credentials from AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY). Empty: every fetch over FetchKv")
     retrieve_timeout_s: float = option(
         2.0, help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     fetch_timeout_s: float = option(

@@ -10,10 +10,8 @@ write, so reads of one tier run in parallel.
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import threading
-import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from pathlib import Path
 from typing import cast
 
 from inferscale_kv.blob import CorruptKvBlob, read_kv_header
+from inferscale_kv.blob_names import BLOB_SUFFIX, blob_name, key_of_blob_name
 from inferscale_kv.eviction import EvictionPolicy
 from inferscale_kv.kv_key import KvKey
 
@@ -227,33 +226,6 @@ class MemoryTier(BudgetedTier):
 
     def keys(self) -> Iterator[KvKey]:
         return iter(list(self._blobs))
-
-
-_CONTENT_ID = re.compile(r"[0-9a-f]{32}")
-BLOB_SUFFIX = ".kv"
-
-
-def _component(value: str) -> str:
-    return urllib.parse.quote(value, safe="")
-
-
-def blob_name(key: KvKey) -> str:
-    """A blob's relative name in a durable tier: profile/user/fact.v<version>.<content id>.kv (components quoted)."""
-    return (f"{_component(key.profile_id)}/{_component(key.user_id)}/"
-            f"{_component(key.fact_id)}.v{key.version}.{key.content_id}{BLOB_SUFFIX}")
-
-
-def key_of_blob_name(name: str) -> KvKey | None:
-    """The key a blob name names; None for a name that is not a blob's."""
-    parts = name.split("/")
-    if len(parts) != 3 or not parts[2].endswith(BLOB_SUFFIX):
-        return None
-    rest, _, content = parts[2][: -len(BLOB_SUFFIX)].rpartition(".")
-    stem, _, version = rest.rpartition(".v")
-    if not (version.isdigit() and _CONTENT_ID.fullmatch(content)):
-        return None
-    return KvKey(urllib.parse.unquote(parts[0]), urllib.parse.unquote(parts[1]), urllib.parse.unquote(stem),
-                 int(version), content)
 
 
 class DiskTier(BudgetedTier):

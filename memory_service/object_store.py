@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inferscale_kv.blob_names import blob_name, key_of_blob_name
 from inferscale_kv.eviction import LruEviction
 from inferscale_kv.kv_key import KvKey
-from memory_service.kv_tiers import AdmitAll, DiskTier, KvTier, blob_name, key_of_blob_name
+from memory_service.kv_tiers import AdmitAll, DiskTier, KvTier
 
 _S3_URI = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*?))?/?")
 

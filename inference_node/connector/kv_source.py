@@ -46,7 +46,7 @@ def kv_source(settings: NodeSettings, hf_config: PretrainedConfig, shard: KvHead
     if settings.synthetic_kv:
         return SyntheticKv(shard.of(model_shape))
     return FetchProcessKv(settings.memory_service, settings.fetch_timeout_s, shard.heads(model_shape.num_kv_heads),
-                          shard.of(model_shape))
+                          shard.of(model_shape), durable_tier=settings.kv_durable_tier)
 
 
 class SyntheticKv:

@@ -16,8 +16,8 @@ from inference_node.kv_fetch import MemoryServiceKv, fetch_reply_blob
 from inference_node.plan import ChunkLoad
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.blob import CorruptKvBlob, decode_kv_blob, decode_kv_heads
+from inferscale_kv.blob_names import blob_name
 from inferscale_kv.kv_key import KvKey
-from memory_service.kv_tiers import blob_name
 from memory_service.servicer import fetch_kv_response_bytes
 from tests.inference_node.conftest import kv_blob, random_kv, stored_chunks, tiny_profile
 from tests.stacks import Users

@@ -1,0 +1,94 @@
+"""Fact KV read straight from the memory service's durable tier, where the node is given it (`--kv-durable-tier`):
+its KV directory or its bucket, read-only. The byte path (kv_fetch.MemoryServiceKv) reads each chunk's blob there by
+the name the service stores it under (inferscale_kv.blob_names) and asks the service over FetchKv only for those
+the tier lacks: a file or an object read by native code, several at once, instead of megabyte gRPC replies a single
+service process sends under its GIL (benchmarks/RESULTS.md, "Straight from the durable tier").
+
+Nothing changes what may be loaded: the node reads only the keys of plans the service's index named, checks every
+blob (checksum, key, token ids) before it enters a tier, and the service removes a blob from its durable tier before
+a delete, a quarantine or an eviction is acknowledged, so a blob it no longer lists is not there to read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from inferscale_kv.blob_names import blob_name
+from inferscale_kv.kv_key import KvKey
+
+_S3_LOCATION = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?")
+
+
+class DurableBlobs(Protocol):
+    def read(self, key: KvKey) -> memoryview | None:
+        """The bytes stored under `key`'s name, unchecked, or None where the tier has none (never stored yet,
+        evicted or deleted: the caller asks the memory service). Raises OSError (or the store's client error) when
+        the tier cannot be read. Thread-safe."""
+        ...
+
+
+class DirectoryBlobs:
+    """The service's KV directory (`<--data-dir>/kv/blobs`), mounted read-only: one file per blob, each replaced
+    whole by a rename, so a read sees one whole blob."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def read(self, key: KvKey) -> memoryview | None:
+        name = blob_name(key)
+        if any(part in ("", ".", "..") for part in name.split("/")):
+            return None  # never a stored blob's name (ids start with a letter or digit): never outside the root
+        try:
+            with open(self.root / name, "rb", buffering=0) as file:
+                buffer = memoryview(bytearray(os.fstat(file.fileno()).st_size))
+                size = 0
+                while size < len(buffer) and (count := file.readinto(buffer[size:])):
+                    size += count
+        except FileNotFoundError:
+            return None
+        return buffer[:size]  # a file cut short fails its checksum
+
+
+class BucketBlobs:
+    """The service's bucket (`s3://BUCKET/PREFIX/kv`, the service's --store-uri and /kv), with read-only
+    credentials: one object per blob."""
+
+    def __init__(self, bucket: str, prefix: str, client: Any) -> None:
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self._client = client
+
+    def read(self, key: KvKey) -> memoryview | None:
+        from botocore.exceptions import ClientError
+
+        name = f"{self.prefix}/{blob_name(key)}" if self.prefix else blob_name(key)
+        try:
+            reply = self._client.get_object(Bucket=self.bucket, Key=name)
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return memoryview(reply["Body"].read())
+
+
+def durable_blobs(location: str) -> DurableBlobs | None:
+    """The durable tier at `location` (a directory, or s3://BUCKET/PREFIX with the endpoint in AWS_ENDPOINT_URL and
+    credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY); None where empty. ValueError for a location that is
+    neither."""
+    if not location:
+        return None
+    if location.startswith("s3://"):
+        match = _S3_LOCATION.fullmatch(location)
+        if match is None:
+            raise ValueError(f"--kv-durable-tier: {location!r} is not s3://BUCKET[/PREFIX]")
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                                                  max_pool_connections=32, connect_timeout=5, read_timeout=30))
+        return BucketBlobs(match["bucket"], match["prefix"] or "", client)
+    if "://" in location:
+        raise ValueError(f"--kv-durable-tier: {location!r} is neither a directory nor s3://BUCKET[/PREFIX]")
+    return DirectoryBlobs(Path(location))
