@@ -83,9 +83,11 @@ def main() -> None:
                 worker.wait(timeout=600)
 
                 step("starting the inference node: vLLM (CPU) + InferScale connector + middleware (~1 min)")
+                # On one machine the node reads fact KV from the service's KV directory itself (--kv-durable-tier).
                 node = InferenceNodeProcess(service.address, model_dir, work / "node", "--dtype", "float32",
-                                            "--max-model-len", "2048", "--context-window",
-                                            str(args.context_window)).start()
+                                            "--max-model-len", "2048", "--context-window", str(args.context_window),
+                                            "--kv-durable-tier",
+                                            str(Path(service.data_dir) / "kv" / "blobs")).start()
                 from openai import OpenAI
 
                 client = OpenAI(base_url=f"{node.base_url}/v1", api_key="demo")

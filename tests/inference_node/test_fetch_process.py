@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -282,10 +283,21 @@ def test_the_arena_allocates_all_or_waits_and_coalesces_what_is_freed() -> None:
         arena.allocate([32 << 10], timeout_s=0)
 
 
-def test_a_deleted_fact_is_never_fetched_through_the_process(node_memory_service, node_stub, tiny_llama_dir) -> None:
-    user_id = user("deleted")
+@pytest.mark.parametrize("durable", [False, True], ids=["fetchkv", "durable-tier"])
+def test_a_deleted_fact_is_never_fetched_through_the_process(node_memory_service, node_stub, tiny_llama_dir,
+                                                             durable) -> None:
+    """Also where the process reads the service's durable tier itself (--kv-durable-tier): it reads the same bytes
+    there, and nothing of a fact once its delete returned."""
+    user_id = user(f"deleted-{durable}")
     chunks = stored_chunks(node_stub, tiny_profile(tiny_llama_dir), user_id)
-    source = FetchProcessKv(node_memory_service.address, 30, slice(0, 2), KvShape(4, 2, 64))
+    durable_tier = str(Path(node_memory_service.data_dir) / "kv" / "blobs") if durable else ""
+    source = FetchProcessKv(node_memory_service.address, 30, slice(0, 2), KvShape(4, 2, 64),
+                            durable_tier=durable_tier)
+    if durable:  # the same bytes as FetchKv
+        direct = source.fetch(user_id, chunks, torch.float32)
+        for mine, theirs in zip(direct, MemoryServiceKv(node_memory_service.address, 30, slice(0, 2)).fetch(
+                user_id, chunks, torch.float32), strict=True):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
     try:
         assert len(source.fetch(user_id, chunks, torch.float32)) == len(chunks)
         node_stub.DeleteFacts(pb.DeleteFactsRequest(user_id=user_id, fact_ids=[chunks[-1].key.fact_id]))

@@ -19,7 +19,8 @@ from tests.inferscale_kv.published_flags import assert_each_flag_reads_its_varia
 # Every flag of the node's own and its default but --node-id's (the host name), as operators' manifests know them.
 PUBLISHED_FLAGS = {
     "--memory-service": "127.0.0.1:50051", "--model": None, "--kv-dtype": "float32", "--context-window": 50,
-    "--model-name": None, "--node-cache-mb": 0, "--host-tier-mb": None, "--kv-miss-policy": "auto", "--warm-facts": 50,
+    "--model-name": None, "--node-cache-mb": 0, "--host-tier-mb": None, "--kv-miss-policy": "auto",
+    "--kv-durable-tier": "", "--warm-facts": 50,
     "--memory-top-k": 20, "--synchronous-loads": "auto",
     "--kv-crossover-tokens": "measured", "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0,
     "--fetch-timeout-s": 10.0, "--load-stats-path": "", "--embed-queries-locally": False,
@@ -132,6 +133,15 @@ def test_a_crossover_past_what_a_request_may_give_is_a_usage_error(capsys: pytes
 def test_a_negative_recomputed_tail_is_refused_naming_the_flag(tiny_llama_dir) -> None:
     with pytest.raises(SystemExit, match="--recompute-tail-facts must be 0 or more"):
         node_main.plan_launch(["--model", str(tiny_llama_dir), "--recompute-tail-facts", "-1"])
+
+
+@pytest.mark.parametrize(("location", "why"), [("absent", "is not a directory"),
+                                               ("gs://bucket/kv", "neither a directory nor s3://")])
+def test_a_durable_tier_the_node_cannot_read_is_refused_naming_the_flag(tiny_llama_dir, tmp_path, location,
+                                                                        why) -> None:
+    location = str(tmp_path / location) if location == "absent" else location
+    with pytest.raises(SystemExit, match=f"--kv-durable-tier: .*{why}"):
+        node_main.plan_launch(["--model", str(tiny_llama_dir), "--kv-durable-tier", location])
 
 
 def test_a_missing_model_folder_is_refused_naming_the_flag(tmp_path) -> None:
