@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Protocol
 
 from inferscale_kv.blob_names import blob_name
 from inferscale_kv.kv_key import KvKey
 
+MAX_BLOB_BYTES = 256 << 20  # as FetchKv's largest reply (kv_fetch.FETCH_CHANNEL_OPTIONS)
 _S3_LOCATION = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?")
 
 
@@ -38,17 +40,23 @@ class DirectoryBlobs:
         self.root = root
 
     def read(self, key: KvKey) -> memoryview | None:
+        """Also None for a name that is not a stored blob's; OSError for anything but a regular file of at most
+        MAX_BLOB_BYTES (a link, a pipe, a device)."""
         name = blob_name(key)
         if any(part in ("", ".", "..") for part in name.split("/")):
             return None  # never a stored blob's name (ids start with a letter or digit): never outside the root
         try:
-            with open(self.root / name, "rb", buffering=0) as file:
-                buffer = memoryview(bytearray(os.fstat(file.fileno()).st_size))
-                size = 0
-                while size < len(buffer) and (count := file.readinto(buffer[size:])):
-                    size += count
+            descriptor = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        with os.fdopen(descriptor, "rb", buffering=0) as file:
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_BLOB_BYTES:
+                raise OSError(f"{name}: not a regular file of at most {MAX_BLOB_BYTES} bytes")
+            buffer = memoryview(bytearray(status.st_size))
+            size = 0
+            while size < len(buffer) and (count := file.readinto(buffer[size:])):
+                size += count
         return buffer[:size]  # a file cut short fails its checksum
 
 
@@ -73,10 +81,10 @@ class BucketBlobs:
         return memoryview(reply["Body"].read())
 
 
-def durable_blobs(location: str) -> DurableBlobs | None:
+def durable_blobs(location: str, timeout_s: float = 10.0) -> DurableBlobs | None:
     """The durable tier at `location` (a directory, or s3://BUCKET/PREFIX with the endpoint in AWS_ENDPOINT_URL and
-    credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY); None where empty. ValueError for a location that is
-    neither."""
+    credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; a bucket read waits on its socket at most
+    `timeout_s`, once); None where empty. ValueError for a location that is neither."""
     if not location:
         return None
     if location.startswith("s3://"):
@@ -86,9 +94,10 @@ def durable_blobs(location: str) -> DurableBlobs | None:
         import boto3
         from botocore.config import Config
 
-        client = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                                                  max_pool_connections=32, connect_timeout=5, read_timeout=30))
+        client = boto3.client("s3", config=Config(retries={"max_attempts": 1, "mode": "standard"},
+                                                  max_pool_connections=32, connect_timeout=min(5.0, timeout_s),
+                                                  read_timeout=timeout_s))
         return BucketBlobs(match["bucket"], match["prefix"] or "", client)
     if "://" in location:
         raise ValueError(f"--kv-durable-tier: {location!r} is neither a directory nor s3://BUCKET[/PREFIX]")
-    return DirectoryBlobs(Path(location))
+    return DirectoryBlobs(Path(location).resolve())

@@ -371,7 +371,7 @@ def _serve(arguments: argparse.Namespace) -> None:
     arena = torch.frombuffer(memory, dtype=torch.uint8)
     first, last = (int(bound) for bound in arguments.heads.split(":"))
     source = MemoryServiceKv(arguments.address, arguments.timeout_s, slice(first, last), pin_memory=False,
-                             durable=durable_blobs(arguments.durable_tier))
+                             durable=durable_blobs(arguments.durable_tier, arguments.timeout_s))
     control = socket.socket(fileno=arguments.control_fd)
     answering = threading.Lock()
 

@@ -10,8 +10,10 @@ blob over the wire holds every head.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from inferscale_kv.kv_key import KvKey
 # gRPC's and tops out near 1.5 GB/s. On a host of few cores the extra streams only cost CPU (2 cores: 0.61 GB/s on
 # four against 0.64 on one; benchmarks/RESULTS.md, "The byte path"), so they are used from 8 cores up.
 FETCH_STREAMS = 4 if (os.cpu_count() or 1) >= 8 else 1
+logger = logging.getLogger(__name__)
 # Durable-tier reads in flight per fetch process: on 2 cores, 1.4 GB/s on one thread and 2.2 on two (benchmarks/
 # RESULTS.md, "Straight from the durable tier").
 DURABLE_READERS = min(8, max(2, os.cpu_count() or 1))
@@ -134,24 +137,34 @@ class MemoryServiceKv:
             raise ValueError("a fetch names a chunk twice")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         buffers = dict(zip((chunk.key for chunk in chunks), into, strict=True)) if into is not None else {}
+        deadline = time.monotonic() + timeout_s
         fetched = self._read_durable(chunks, dtype, buffers) if self.durable else {}
         rest = [chunk for chunk in chunks if chunk.key not in fetched]
         if rest:
-            fetched.update(self._fetch_streams(user_id, rest, dtype, buffers, timeout_s))
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"the durable tier's reads took the fetch's {timeout_s:.1f} s")
+            fetched.update(self._fetch_streams(user_id, rest, dtype, buffers, left_s))
         return [fetched[chunk.key] for chunk in chunks]
 
     def _read_durable(self, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
                       buffers: dict[KvKey, torch.Tensor]) -> dict[KvKey, CachedKv]:
-        """The chunks the durable tier holds, read several at once, each checked and decoded like a FetchKv reply;
-        raises the first error of any read (CorruptKvBlob for a blob that fails its checks) once every read has
-        ended: none writes into `buffers` after this returns. A read that hangs holds the fetch past its deadline
-        (the fetch process is then killed, fetch_process.py)."""
+        """The chunks the durable tier holds, read several at once, each checked and decoded like a FetchKv reply,
+        once every read has ended (none writes into `buffers` after this returns). A chunk whose read fails, or
+        whose blob fails its checks, is left to FetchKv, whose service checks its own copy (and queues a corrupt one
+        again). A read that hangs holds the fetch past its deadline (the fetch process is then killed,
+        fetch_process.py)."""
         assert self.durable is not None
         durable = self.durable
 
         def read(chunk: ChunkLoad) -> CachedKv | None:
-            blob = durable.read(chunk.key)
-            return None if blob is None else self._decoded(chunk, blob, dtype, buffers.get(chunk.key))
+            try:
+                blob = durable.read(chunk.key)
+                return None if blob is None else self._decoded(chunk, blob, dtype, buffers.get(chunk.key))
+            except Exception as error:  # the service is asked instead
+                logger.warning("InferScale: %s not read from the durable tier (%r); asking the memory service",
+                               chunk.key, error)
+                return None
 
         futures = [self._readers().submit(read, chunk) for chunk in chunks]
         wait(futures)

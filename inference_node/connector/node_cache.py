@@ -285,7 +285,7 @@ class NodeCacheDirectory:
         victims = self._device.victims(sum(sizes), self._holds)
         if victims is None:
             return False
-        self._device.evict(victims)
+        self._evict_from_device(victims)
         from_host = [chunk.key for chunk in unique if self._host.holds(chunk)]
         self.touch(from_host)  # read from the host tier now
         self._unused_warm.difference_update(from_host)
@@ -303,13 +303,17 @@ class NodeCacheDirectory:
         """Makes `chunks` (each in the host tier, neither in the device tier nor being fetched) resident in the device
         tier at once: every rank copies them from its host tier in this step, before its loads (`take_promotions`).
         Evicts least recently used device-tier chunks that no request holds to make room; False, changing nothing, if
-        they cannot fit."""
-        unique = list({chunk.key: chunk for chunk in chunks}.values())
+        they cannot fit or one is not in the host tier alone."""
+        unique = [chunk for chunk in {chunk.key: chunk for chunk in chunks}.values()
+                  if self._host.holds(chunk) and self._device.known_tokens(chunk.key) is None
+                  and chunk.key not in self._fetching]
+        if len(unique) != len({chunk.key for chunk in chunks}):
+            return False
         sizes = [len(chunk.token_ids) * self.bytes_per_token for chunk in unique]
         victims = self._device.victims(sum(sizes), self._holds)
         if victims is None:
             return False
-        self._device.evict(victims)
+        self._evict_from_device(victims)
         for chunk, size in zip(unique, sizes, strict=True):
             self._device.reserve(chunk.key, _Resident(size, chunk.token_ids))
             self._device.settle(chunk.key, fetched=True)
@@ -393,7 +397,7 @@ class NodeCacheDirectory:
         """A synchronous load of these chunks failed in a worker: no longer trusted, evicted from every rank's
         tiers."""
         keys = list(keys)
-        self._device.evict(keys)
+        self._evict_from_device(keys)
         self._host.evict(keys)
         self._unused_warm.difference_update(keys)
 
@@ -402,6 +406,14 @@ class NodeCacheDirectory:
 
     def take_host_evictions(self) -> tuple[KvKey, ...]:
         return self._host.take_evictions()
+
+    def _evict_from_device(self, keys: Sequence[KvKey]) -> None:
+        """Evicts `keys` from the device tier, and from this step's promotions not yet sent (a worker applies a
+        step's evictions before its promotions, so one promoted and then evicted in one step would stay on it)."""
+        self._device.evict(keys)
+        if self._promotions:
+            gone = set(keys)
+            self._promotions = [chunk for chunk in self._promotions if chunk.key not in gone]
 
     def take_promotions(self) -> tuple[ChunkLoad, ...]:
         promotions, self._promotions = tuple(self._promotions), []

@@ -204,8 +204,9 @@ class InferScaleScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The tokens a synchronous load will supply beyond vLLM's local hit, or None while the request waits for
-        its chunks to be prefetched. Never async. Its only effects are idempotent: the request's holds, and the
-        prefetch of chunks nobody fetches yet (ordered once)."""
+        its chunks to be prefetched. Never async. Its only effects are idempotent: the request's holds, the prefetch
+        of chunks nobody fetches yet (ordered once), and the copy back of host-tier chunks (ordered once: they are
+        resident from then on), whether or not vLLM then schedules the request."""
         if _reads_no_cached_kv(request):
             self._forget(request.request_id)
             return 0, False
@@ -241,12 +242,18 @@ class InferScaleScheduler:
         if not missing:
             self._hold(admission, chunks)
             return proof.end
-        first_missing = min(chunk.offset for chunk in missing)
-        if request_id not in self._partial and not admission.waited:
+        now = self._clock()
+        if request_id not in self._partial:
+            failed = self._waited_in_vain(admission, missing, now)
+            if failed is not None:
+                return failed
             host_bytes, source_bytes = directory.bytes_to_bring(missing)
-            prefilled = proof.end - max(first_missing, num_computed)
-            if not self._miss_policy.decide(host_bytes, source_bytes, prefilled).wait:
-                self._serve_partially(request_id)
+            # Bytes only the memory service has: the policy weighs them (and the host tier's copy) against their
+            # prefill. Chunks all in the host tier are copied back in this step, before the load: nothing to weigh.
+            if source_bytes and not admission.waited:
+                prefilled = proof.end - max(min(chunk.offset for chunk in missing), num_computed)
+                if not self._miss_policy.decide(host_bytes, source_bytes, prefilled).wait:
+                    self._serve_partially(request_id)
         missing = self._promote(admission, chunks, missing, request_id in self._partial)
         if not missing:
             self._hold(admission, chunks)
@@ -255,21 +262,23 @@ class InferScaleScheduler:
         if request_id in self._partial:
             return self._resident_prefix(admission, proof, chunks, missing, first_missing)
         self._hold(admission, chunks)
-        now = self._clock()
-        to_fetch = []
-        for chunk in missing:
-            fetch_id = directory.fetch_id(chunk.key)
-            if chunk.key in admission.waited and fetch_id != admission.waited[chunk.key]:
-                return "its prefetch failed"  # ended without making the chunk resident
-            if fetch_id is None:
-                to_fetch.append(chunk)
-            elif directory.fetch_expired(chunk.key, now):
-                return "its prefetch did not finish in time"
+        to_fetch = [chunk for chunk in missing if directory.fetch_id(chunk.key) is None]
         if to_fetch and not directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s):
             self._serve_partially(request_id)  # no room to bring them: its resident prefix, at once
             return self._resident_prefix(admission, proof, chunks, missing, first_missing)
         admission.waited.update({chunk.key: fetch_id for chunk in missing
                                  if (fetch_id := directory.fetch_id(chunk.key)) is not None})
+        return None
+
+    def _waited_in_vain(self, admission: _Admission, missing: list[ChunkLoad], now: float) -> str | None:
+        """Why the request cannot load, where a prefetch it waited for ended without making its chunk resident or
+        a prefetch of one of its chunks outlived its deadline; else None."""
+        for chunk in missing:
+            fetch_id = self._directory.fetch_id(chunk.key)
+            if chunk.key in admission.waited and fetch_id != admission.waited[chunk.key]:
+                return "its prefetch failed"
+            if fetch_id is not None and self._directory.fetch_expired(chunk.key, now):
+                return "its prefetch did not finish in time"
         return None
 
     def _promote(self, admission: _Admission, chunks: tuple[ChunkLoad, ...], missing: list[ChunkLoad],

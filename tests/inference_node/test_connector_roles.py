@@ -615,3 +615,42 @@ def test_a_partial_load_copies_back_the_host_tier_chunks_before_the_first_one_it
     assert answers == {"r1": len(HEADER)}
     assert [chunk.token_ids for chunk in metadata.promotions] == [tuple(HEADER)]
     assert [chunk.token_ids for chunk in metadata.prefetches[0].chunks] == [OTHER_FACT]  # for the next request
+
+
+def test_a_request_that_cannot_load_copies_nothing_back(monkeypatch, clock) -> None:
+    """Review of issue 41: a request whose other chunk's prefetch outlived its deadline falls back to prefill; it
+    must not order its host-tier chunk copied back first (evicting others' chunks for a load that never comes, and,
+    its holds released, leaving a copy the device tier no longer accounts for when the step evicts it again)."""
+    scheduler = _scheduler(monkeypatch, clock, host_tier_mb=1)
+    _with_header_resident(scheduler)  # the header and FACT in both tiers
+    _, waiting = _step(scheduler, _request("r9", plan=_plan(fact=OTHER_FACT), prompt=HEADER + list(OTHER_FACT) + [99]))
+    (other,) = waiting.prefetches[0].chunks  # ordered, never settled
+    directory = scheduler._directory
+    fact = next(ChunkLoad(key, entry.token_ids, len(HEADER)) for key, entry in directory._device.resident.items()
+                if entry.token_ids == tuple(FACT))
+    directory._device.evict([fact.key])  # FACT on the host only
+    clock.now += scheduler._fetch_wait_s + 1  # OTHER_FACT's prefetch outlived its deadline
+    both = LoadPlan(PROFILE, "u1", PlanHeader(content_id(PROFILE, [], HEADER), tuple(HEADER)),
+                    (PlanFact("f", 1, fact.key.content_id, tuple(FACT)),
+                     PlanFact(other.key.fact_id, other.key.version, other.key.content_id, OTHER_FACT)))
+    answers, metadata = _step(scheduler, _request("r2", plan=both, prompt=HEADER + FACT + list(OTHER_FACT) + [99]))
+    assert answers == {"r2": 0} and metadata.promotions == ()
+    assert not directory.is_resident(fact) and directory.is_on_host(fact)
+
+
+@pytest.mark.parametrize("policy", ["best-effort", "auto"])
+def test_a_memory_all_in_the_host_tier_loads_whole_whatever_the_miss_policy(monkeypatch, clock, policy) -> None:
+    """Review of issue 41: best-effort (or auto, weighing the copy against prefill) marked such a request partial,
+    then copied its chunks back and loaded it whole: answered "partial" with the whole memory loaded."""
+    scheduler = _scheduler(monkeypatch, clock, host_tier_mb=1)
+    _with_header_resident(scheduler)
+    scheduler._miss_policy.mode = policy
+    scheduler._miss_policy.prefill_tokens.per_second = 1e12  # prefill looks free: auto would never wait for a copy
+    directory = scheduler._directory
+    directory._device.evict(list(directory._device.resident))  # the header and FACT on the host only
+    _stats(scheduler)
+    request = _request("r2")
+    answers, metadata = _step(scheduler, request)
+    assert answers == {"r2": MEMORY} and len(metadata.promotions) == 2
+    assert scheduler.request_finished(request)["inferscale_load"] == {"outcome": "resident", "tokens_loaded": MEMORY}
+    assert _stats(scheduler).get("partial_loads", 0) == 0

@@ -5,6 +5,7 @@ nothing read after a delete is acknowledged."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -72,25 +73,47 @@ def test_the_durable_tier_gives_fetchkvs_bytes_and_fetchkv_brings_only_what_it_l
     assert _service_blobs_served(node_memory_service) == served + len(chunks[1::2]) + len(chunks)
 
 
-@pytest.mark.parametrize("tampering", ["flipped byte", "cut short", "another key's blob", "other tokens"])
-def test_a_durable_blob_that_fails_its_checks_fails_the_fetch(tmp_path, tampering) -> None:
-    """Checked before anything is handed on: a torn or corrupted file, or a file holding another key's KV (or other
-    tokens) under this key's name, fails the fetch (the request prefills): never loaded, never asked elsewhere."""
-    key, tokens = KvKey("p", "u1", "f", 1, "a" * 32), (5, 6, 7)
-    blob = bytearray(kv_blob(key, tokens, 1))
+@pytest.mark.parametrize("tampering", ["flipped byte", "cut short", "another key's blob", "a link", "a pipe"])
+def test_a_durable_blob_that_fails_its_checks_is_never_handed_on_the_service_is_asked(
+        node_memory_service, node_stub, profile, tmp_path, tampering) -> None:
+    """Checked before anything is handed on: a torn or corrupted file, a file holding another key's KV under this
+    key's name, a link or a pipe in the durable tier is not loaded; the chunk comes over FetchKv instead (whose
+    service checks its own copy and queues a corrupt one again), so the fetch gets the right bytes."""
+    user_id = user(f"tampered-{tampering.replace(' ', '-').replace(chr(39), '')}")
+    chunks = stored_chunks(node_stub, profile, user_id)
+    tier = tmp_path / "blobs"  # a copy of the service's, the victim's blob then tampered with
+    shutil.copytree(_blobs_dir(node_memory_service), tier)
+    victim = tier / blob_name(chunks[2].key)
+    blob = bytearray(victim.read_bytes())
+    victim.unlink()
     if tampering == "flipped byte":
         blob[-5] ^= 1
     elif tampering == "cut short":
         blob = blob[:-64]
     elif tampering == "another key's blob":
-        blob = bytearray(kv_blob(KvKey("p", "u2", "f", 1, "a" * 32), tokens, 1))
-    path = tmp_path / blob_name(key)
-    path.parent.mkdir(parents=True)
-    path.write_bytes(bytes(blob))
-    chunk = ChunkLoad(key, (5, 6, 8) if tampering == "other tokens" else tokens, 0)
-    source = MemoryServiceKv("127.0.0.1:1", 5, slice(0, 2), durable=DirectoryBlobs(tmp_path))
-    with pytest.raises(CorruptKvBlob):
-        source.fetch("u1", [chunk], torch.float32)
+        blob = bytearray((tier / blob_name(chunks[3].key)).read_bytes())
+    if tampering == "a link":
+        victim.symlink_to(tier / blob_name(chunks[2].key).replace(".kv", ".elsewhere"))
+        victim.with_suffix(".elsewhere").write_bytes(bytes(blob))
+    elif tampering == "a pipe":
+        os.mkfifo(victim)
+    else:
+        victim.write_bytes(bytes(blob))
+    served = _service_blobs_served(node_memory_service)
+    source = MemoryServiceKv(node_memory_service.address, 30, slice(0, 2), durable=DirectoryBlobs(tier))
+    _same(source.fetch(user_id, chunks, torch.float32),
+          MemoryServiceKv(node_memory_service.address, 30, slice(0, 2)).fetch(user_id, chunks, torch.float32))
+    assert _service_blobs_served(node_memory_service) == served + 1 + len(chunks)  # the victim, then the reference
+
+
+def test_a_blob_of_other_tokens_than_the_plans_fails_the_fetch(node_memory_service, node_stub, profile) -> None:
+    user_id = user("durable-other-tokens")
+    chunks = stored_chunks(node_stub, profile, user_id)
+    chunks[2] = ChunkLoad(chunks[2].key, (*chunks[2].token_ids[:-1], chunks[2].token_ids[-1] + 1), 0)
+    source = MemoryServiceKv(node_memory_service.address, 30, slice(0, 2),
+                             durable=DirectoryBlobs(_blobs_dir(node_memory_service)))
+    with pytest.raises(CorruptKvBlob):  # the durable tier's blob and then the service's disagree with the plan
+        source.fetch(user_id, chunks, torch.float32)
 
 
 def test_a_deleted_fact_is_not_read_from_the_durable_tier_once_the_delete_returns(
@@ -107,10 +130,17 @@ def test_a_deleted_fact_is_not_read_from_the_durable_tier_once_the_delete_return
 
 
 def test_a_name_that_would_leave_the_directory_is_never_read(tmp_path) -> None:
-    (tmp_path / "outside.kv").write_bytes(b"secret")
-    tier = DirectoryBlobs(tmp_path / "blobs")
-    for key in (KvKey("..", "..", "outside", 1, "a" * 32), KvKey("p", ".", "f", 1, "a" * 32)):
-        assert tier.read(key) is None
+    """A key of `..` or `.` components (never a stored blob's: ids start with a letter or digit) would name a file
+    outside the tier's root, or another key's file: not read, even where a well-formed blob lies there."""
+    root = tmp_path / "a" / "b" / "blobs"
+    outside = KvKey("..", "..", "outside", 1, "a" * 32)
+    dotted, plain = KvKey("p", ".", "f", 1, "a" * 32), KvKey("p", "f", "f", 1, "a" * 32)
+    for key, lands in ((outside, tmp_path / "a" / f"outside.v1.{'a' * 32}.kv"), (dotted, root / blob_name(plain)
+                                                                                .replace("/f/f.", "/f.", 1))):
+        lands.parent.mkdir(parents=True, exist_ok=True)
+        lands.write_bytes(kv_blob(key, (1, 2), 3))
+        assert (root / blob_name(key)).resolve() == lands.resolve()  # where a plain join would read
+        assert DirectoryBlobs(root).read(key) is None
 
 
 def test_the_durable_tier_flag_names_a_directory_or_a_bucket() -> None:
@@ -148,3 +178,20 @@ def test_a_bucket_written_by_the_services_object_store_tier_is_read_by_the_node(
         written.remove(key)
         assert tier.read(key) is None
         assert tier.read(KvKey("p", "u1", "never", 1, "c" * 32)) is None
+
+
+def test_reads_that_take_the_fetchs_time_leave_none_to_fetchkv_the_fetch_ends_in_it() -> None:
+    """Review of issue 41: FetchKv was given the fetch's whole deadline again after slow durable reads, so the fetch
+    process outlived the deadline its worker kills it at (failing every other user's fetch in it)."""
+    import time
+
+    class SlowTier:
+        def read(self, key: KvKey) -> memoryview | None:
+            time.sleep(0.6)
+            return None
+
+    source = MemoryServiceKv("127.0.0.1:1", 0.5, slice(0, 2), durable=SlowTier())
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        source.fetch("u1", [ChunkLoad(KvKey("p", "u1", "f", 1, "a" * 32), (1, 2), 0)], torch.float32)
+    assert time.monotonic() - started < 1.5

@@ -248,3 +248,16 @@ def test_a_promotion_makes_host_tier_chunks_resident_at_once_evicting_only_unhel
     assert not directory.promote([_chunk(2)])  # 0 and 1 held: no room, nothing changes
     assert directory.take_evictions() == () and directory.take_promotions() == ()
     assert directory.is_resident(_chunk(0)) and directory.is_resident(_chunk(1)) and directory.bytes_used == 200
+
+
+def test_a_chunk_promoted_then_evicted_in_one_step_is_not_copied_after_its_eviction() -> None:
+    """Workers apply a step's evictions before its promotions: one promoted and then evicted in the same step must
+    leave the promotions, else it would stay on the device with the directory counting it gone."""
+    directory = NodeCacheDirectory(budget_bytes=100, bytes_per_token=10, host_budget_bytes=1000)
+    _fetched(directory, 0)
+    _fetched(directory, 1)  # the device tier holds 1; the host tier 0 and 1
+    directory.take_evictions()
+    assert directory.promote([_chunk(0)])  # 1 makes room
+    assert directory.prefetch("u", [_chunk(2)], now=0.0, wait_s=1.0)  # 0, unheld, makes room for 2
+    assert directory.take_promotions() == () and _key(0) in directory.take_evictions()
+    assert not directory.is_resident(_chunk(0)) and directory.is_on_host(_chunk(0))
