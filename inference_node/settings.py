@@ -48,7 +48,8 @@ class NodeSettings:
         "", help="read fact KV straight from the memory service's durable tier, asking the service only for what it "
         "lacks: its KV directory (<its --data-dir>/kv/blobs, mounted read-only) or s3://BUCKET/PREFIX/kv (its "
         "--store-uri and /kv; endpoint from AWS_ENDPOINT_URL, read-only credentials from AWS_ACCESS_KEY_ID and "
-        "AWS_SECRET_ACCESS_KEY). Empty: every fetch over FetchKv")
+        "AWS_SECRET_ACCESS_KEY). It lets the node read every tenant's KV there: for nodes trusted with every tenant. "
+        "Empty: every fetch over FetchKv")
     retrieve_timeout_s: float = option(
         2.0, help="deadline of the RetrieveAndStage call; past it the request is answered without memory")
     fetch_timeout_s: float = option(
