@@ -238,7 +238,8 @@ def test_a_node_cache_miss_loads_async_and_the_repeat_loads_from_the_node_cache(
 def test_a_users_first_request_warms_its_other_facts_and_the_next_request_copies_them_from_the_host_tier(
         node) -> None:
     """A cold user's first kv request (2 facts of 6) has the node fetch the 4 others into its host tier; the next
-    request, about other facts, finds them there: a host-to-device copy, nothing fetched from the memory service."""
+    request, about other facts, finds them there: a host-to-device copy in the step that admits it (it does not
+    wait), nothing fetched from the memory service."""
     counts = {name: _connector_count(node, name) for name in ("warmed_chunks", "facts_fetched", "host_tier_hits")}
     first = complete(node, "What does Mina grow on her balcony, and what does she ride?",
                      {"user_id": user("warm"), "mode": "kv", "top_k": 2})
@@ -246,7 +247,7 @@ def test_a_users_first_request_warms_its_other_facts_and_the_next_request_copies
     time.sleep(2.0)  # the warm-up's fetch (4 small facts) ends on its own thread; the next step reports it
     second = complete(node, "What is Mina's cat called, and what does she bake?",
                       {"user_id": user("warm"), "mode": "kv", "top_k": 2})
-    assert second.summary["load"] == "waited" and second.summary["kv_facts"] == 2
+    assert second.summary["load"] == "resident" and second.summary["kv_facts"] == 2
     assert _wait_for_count(node, "warmed_chunks", counts["warmed_chunks"] + 4) == counts["warmed_chunks"] + 4
     assert _wait_for_count(node, "host_tier_hits", counts["host_tier_hits"] + 2) >= counts["host_tier_hits"] + 2
     # The first request's 2 facts (and the header, unless another user's request brought it), and the warm-up's 4:
