@@ -102,8 +102,8 @@ KV_HOST, KV_SECOND = "kv-host", "kv-second"
 COLD_ONLY = ("kv-warm", KV_HOST, KV_SECOND)
 # The connector counters each row reports as deltas (inferscale_connector_<name>_total on the node's /metrics).
 CONNECTOR_DELTAS = ("loads", "async_loads", "partial_loads", "load_failures", "tokens_loaded", "node_cache_lookups",
-                    "node_cache_hits", "facts_fetched", "host_tier_hits", "warmed_chunks", "source_bytes_fetched",
-                    "source_fetch_micros", "host_bytes_copied", "host_copy_micros")
+                    "node_cache_hits", "facts_fetched", "durable_tier_reads", "host_tier_hits", "warmed_chunks",
+                    "source_bytes_fetched", "source_fetch_micros", "host_bytes_copied", "host_copy_micros")
 
 
 def tail_contender(m: int) -> str:
@@ -620,7 +620,8 @@ def _connector_note(row: dict) -> str:
     """The connector's deltas worth a progress line: what was prefilled, fetched, copied, warmed."""
     deltas = row.get("connector") or {}
     parts = [f"{name} {deltas[name]:.0f}" for name in ("partial_loads", "async_loads", "load_failures",
-                                                       "host_tier_hits", "facts_fetched", "warmed_chunks")
+                                                       "host_tier_hits", "facts_fetched", "durable_tier_reads",
+                                                       "warmed_chunks")
              if deltas.get(name)]
     if row.get("prefilled"):
         parts.insert(0, f"prefilled {row['prefilled']}")
@@ -908,7 +909,8 @@ def report(results: dict, title: str, node_cache_mb: int | None = None) -> None:
                    *((f"Connector: {label}", _delta(name), "{:.0f}") for name, label in (
                        ("loads", "loads"), ("partial_loads", "partial loads"), ("async_loads", "async loads"),
                        ("load_failures", "load failures"), ("host_tier_hits", "host-tier hits"),
-                       ("facts_fetched", "chunks fetched"), ("warmed_chunks", "chunks warmed"))),
+                       ("facts_fetched", "chunks fetched"), ("durable_tier_reads", "of them from the durable tier"),
+                       ("warmed_chunks", "chunks warmed"))),
                    ("Byte path, service fetch (GB/s)", _delta("source_gbps"), "{:.2f}"),
                    ("Host tier to device (GB/s)", _delta("host_gbps"), "{:.2f}")]
     width = max(12, max(len(name) for name in names) + 2)

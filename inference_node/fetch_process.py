@@ -163,6 +163,7 @@ class _Child:
     started_at: float
     pending: dict[int, _Pending] = field(default_factory=dict)
     sending: threading.Lock = field(default_factory=threading.Lock)  # one message at a time on the socket
+    durable_reads: int = 0  # the most its answers said it read from the durable tier
 
 
 class FetchProcessKv:
@@ -191,6 +192,7 @@ class FetchProcessKv:
         self._restart_at = 0.0  # monotonic: no child is started before
         self._closed = False
         self.processes_started = 0
+        self.durable_reads = 0  # chunks the children read from the durable tier, as their answers said
         self._ids = 0
         with self._lock:
             self._running()
@@ -317,6 +319,10 @@ class FetchProcessKv:
             while (answer := receive_message(child.control)) is not None:
                 with self._lock:
                     pending = child.pending.pop(int(answer["id"]), None)
+                    reads = int(answer.get("durable_reads", 0))
+                    if reads > child.durable_reads:  # answers may come out of order: the largest is the latest
+                        self.durable_reads += reads - child.durable_reads
+                        child.durable_reads = reads
                 if pending is not None:
                     self._answer(pending, answer)
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -394,6 +400,7 @@ def _serve(arguments: argparse.Namespace) -> None:
         except Exception as error:  # answered: the worker raises it again
             name = type(error).__name__
             answer["error"] = {"type": name if name in _ERRORS else "KvFetchFailed", "message": f"{name}: {error}"}
+        answer["durable_reads"] = source.durable_reads  # this child's so far
         with answering:
             send_message(control, answer)
 

@@ -115,6 +115,7 @@ class MemoryServiceKv:
         what it lacks."""
         self.address = address
         self.durable = durable
+        self.durable_reads = 0  # chunks read from the durable tier so far
         self.timeout_s = timeout_s
         self.streams = max(1, streams)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -168,8 +169,11 @@ class MemoryServiceKv:
 
         futures = [self._readers().submit(read, chunk) for chunk in chunks]
         wait(futures)
-        return {chunk.key: entry for chunk, future in zip(chunks, futures, strict=True)
-                if (entry := future.result()) is not None}
+        read_here = {chunk.key: entry for chunk, future in zip(chunks, futures, strict=True)
+                     if (entry := future.result()) is not None}
+        with self._lock:
+            self.durable_reads += len(read_here)
+        return read_here
 
     def _decoded(self, chunk: ChunkLoad, blob: memoryview, dtype: torch.dtype,
                  out: torch.Tensor | None) -> CachedKv:

@@ -387,6 +387,13 @@ INFERENCE_NODE = Dashboard(
                          "memory service {{instance}}"),
                    Query(f"sum by (instance) (rate(inferscale_connector_warmed_chunks_total[{RATE}]))",
                          "warmed {{instance}}"))),
+            Panel("Fetched from the durable tier",
+                  "Of the chunks fetched, the share the nodes read from the memory service's durable tier "
+                  "themselves (--kv-durable-tier) rather than over FetchKv. 0 where the flag is not given; below 1, "
+                  "chunks the tier lacked, or failed reads (each logged).", "percentunit",
+                  (Query(_ratio("inferscale_connector_durable_tier_reads_total",
+                                "inferscale_connector_facts_fetched_total", "instance"), "{{instance}}"),),
+                  ratio=True),
             Panel("Node-cache tiers: bandwidth",
                   "Bytes per second of transfer time, per tier a miss read from (host-to-device copies; fetches "
                   "from the memory service, checks and decode included): what the miss policy weighs.", "Bps",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 class KvSource(Protocol):
     processes_started: int  # fetch processes started so far (0 for a source that runs none)
+    durable_reads: int  # of the chunks fetched so far, those read from the memory service's durable tier
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
         """Every chunk's KV (this rank's heads) in host memory in `dtype`, contiguous, in chunk order; raises
@@ -53,6 +54,7 @@ class SyntheticKv:
     def __init__(self, rank_shape: KvShape) -> None:
         self.rank_shape = rank_shape
         self.processes_started = 0
+        self.durable_reads = 0
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
         return [self._random(chunk, dtype) for chunk in chunks]

@@ -26,6 +26,8 @@ COUNTERS = {
     "facts_fetched": "chunks fetched from the memory service into a rank's node cache (per rank)",
     "source_bytes_fetched": "bytes of those chunks (this rank's heads; per rank)",
     "source_fetch_micros": "microseconds those fetches took, fetch, checks and decode (per rank)",
+    "durable_tier_reads": "of those, chunks a rank's fetch process read from the memory service's durable tier "
+                          "itself (--kv-durable-tier) instead of over FetchKv (per rank)",
     "host_tier_hits": "chunks a rank copied into its device tier from its host tier instead of fetching them",
     "host_bytes_copied": "bytes of those chunks (per rank)",
     "host_copy_micros": "microseconds those host-to-device copies took (per rank)",

@@ -62,6 +62,7 @@ class InferScaleWorker:
         self._counts_loads = shard.rank == 0  # every rank writes its heads of each load: one counts it for the node
         self._source = source
         self._processes_counted = 0  # of the source's fetch processes, those counted in the stats so far
+        self._durable_reads_counted = 0  # of the source's durable-tier reads, those counted so far
         self._residency = KvResidency(self._cache, self._host_cache, source,
                                       shard.of(KvShape.from_config(self._model_config.hf_config)))
         self._timer = timer
@@ -207,9 +208,10 @@ class InferScaleWorker:
         return failed
 
     def take_stats(self) -> LoadStats | None:
-        started = self._source.processes_started
+        started, durable_reads = self._source.processes_started, self._source.durable_reads
         self._stats.add("fetch_processes_started", started - self._processes_counted)
-        self._processes_counted = started
+        self._stats.add("durable_tier_reads", durable_reads - self._durable_reads_counted)
+        self._processes_counted, self._durable_reads_counted = started, durable_reads
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, LoadStats()

@@ -151,7 +151,7 @@ class _Source:
 
     def __init__(self, make) -> None:
         self.make, self.threads = make, list[str]()
-        self.processes_started = 0
+        self.processes_started = self.durable_reads = 0
 
     def fetch(self, user_id, chunks, dtype):
         self.threads.append(threading.current_thread().name)
@@ -161,17 +161,17 @@ class _Source:
         pass
 
 
-def test_the_fetch_processes_a_source_started_are_counted_once_each() -> None:
+def test_the_fetch_processes_a_source_started_and_its_durable_reads_are_counted_once_each() -> None:
     source = _Source(lambda chunks: [])
     worker = _worker_with(source)
     assert worker.take_stats() is None
-    source.processes_started = 1
+    source.processes_started, source.durable_reads = 1, 5
     stats = worker.take_stats()
-    assert stats is not None and stats.data["fetch_processes_started"] == 1
+    assert stats is not None and (stats.data["fetch_processes_started"], stats.data["durable_tier_reads"]) == (1, 5)
     assert worker.take_stats() is None
-    source.processes_started = 3
+    source.processes_started, source.durable_reads = 3, 12
     stats = worker.take_stats()
-    assert stats is not None and stats.data["fetch_processes_started"] == 2
+    assert stats is not None and (stats.data["fetch_processes_started"], stats.data["durable_tier_reads"]) == (2, 7)
 
 
 def _worker_with(source: _Source, shard: KvHeadShard = UNSHARDED) -> InferScaleWorker:

@@ -293,8 +293,9 @@ def test_a_deleted_fact_is_never_fetched_through_the_process(node_memory_service
     durable_tier = str(Path(node_memory_service.data_dir) / "kv" / "blobs") if durable else ""
     source = FetchProcessKv(node_memory_service.address, 30, slice(0, 2), KvShape(4, 2, 64),
                             durable_tier=durable_tier)
-    if durable:  # the same bytes as FetchKv
+    if durable:  # the same bytes as FetchKv, every chunk read from the durable tier (as the answers count)
         direct = source.fetch(user_id, chunks, torch.float32)
+        assert source.durable_reads == len(chunks)
         for mine, theirs in zip(direct, MemoryServiceKv(node_memory_service.address, 30, slice(0, 2)).fetch(
                 user_id, chunks, torch.float32), strict=True):
             assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
