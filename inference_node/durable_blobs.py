@@ -62,23 +62,20 @@ class DirectoryBlobs:
 
 class BucketBlobs:
     """The service's bucket (`s3://BUCKET/PREFIX/kv`, the service's --store-uri and /kv), with read-only
-    credentials: one object per blob."""
+    credentials: one object per blob, read by obstore (Rust's object_store: the body lands in one buffer, without
+    the GIL; on 2 cores beside SeaweedFS 1.0 GB/s on 4 threads at 0.57 client CPU s/GB, boto3 0.72 at 1.09)."""
 
-    def __init__(self, bucket: str, prefix: str, client: Any) -> None:
-        self.bucket, self.prefix = bucket, prefix.strip("/")
-        self._client = client
+    def __init__(self, bucket: str, prefix: str, store: Any) -> None:
+        self.bucket, self.prefix = bucket, prefix
+        self._store = store
 
     def read(self, key: KvKey) -> memoryview | None:
-        from botocore.exceptions import ClientError
+        import obstore
 
-        name = f"{self.prefix}/{blob_name(key)}" if self.prefix else blob_name(key)
         try:
-            reply = self._client.get_object(Bucket=self.bucket, Key=name)
-        except ClientError as error:
-            if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-        return memoryview(reply["Body"].read())
+            return memoryview(obstore.get(self._store, blob_name(key)).bytes())
+        except FileNotFoundError:
+            return None
 
 
 def durable_blobs(location: str, timeout_s: float = 10.0) -> DurableBlobs | None:
@@ -91,13 +88,15 @@ def durable_blobs(location: str, timeout_s: float = 10.0) -> DurableBlobs | None
         match = _S3_LOCATION.fullmatch(location)
         if match is None:
             raise ValueError(f"--kv-durable-tier: {location!r} is not s3://BUCKET[/PREFIX]")
-        import boto3
-        from botocore.config import Config
+        from obstore.store import S3Store
 
-        client = boto3.client("s3", config=Config(retries={"max_attempts": 1, "mode": "standard"},
-                                                  max_pool_connections=32, connect_timeout=min(5.0, timeout_s),
-                                                  read_timeout=timeout_s))
-        return BucketBlobs(match["bucket"], match["prefix"] or "", client)
+        bucket, prefix = match["bucket"], (match["prefix"] or "").strip("/")
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        store = S3Store(bucket, prefix=prefix or None,
+                        client_options={"allow_http": endpoint.startswith("http://"),
+                                        "connect_timeout": f"{min(5.0, timeout_s)}s", "timeout": f"{timeout_s}s"},
+                        retry_config={"max_retries": 0})
+        return BucketBlobs(bucket, prefix, store)
     if "://" in location:
         raise ValueError(f"--kv-durable-tier: {location!r} is neither a directory nor s3://BUCKET[/PREFIX]")
     return DirectoryBlobs(Path(location).resolve())
