@@ -247,10 +247,11 @@ class InferScaleScheduler:
             failed = self._waited_in_vain(admission, missing, now)
             if failed is not None:
                 return failed
-            host_bytes, source_bytes = directory.bytes_to_bring(missing)
             # Bytes only the memory service has: the policy weighs them (and the host tier's copy) against their
-            # prefill. Chunks all in the host tier are copied back in this step, before the load: nothing to weigh.
-            if source_bytes and not admission.waited:
+            # prefill, once. Chunks all in the host tier are copied back in this step, before the load: nothing to
+            # weigh.
+            host_bytes, source_bytes = (0, 0) if admission.waited else directory.bytes_to_bring(missing)
+            if source_bytes:
                 prefilled = proof.end - max(min(chunk.offset for chunk in missing), num_computed)
                 if not self._miss_policy.decide(host_bytes, source_bytes, prefilled).wait:
                     self._serve_partially(request_id)

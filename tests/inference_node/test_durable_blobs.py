@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.router import metric_total, prometheus_samples
 from inference_node.durable_blobs import BucketBlobs, DirectoryBlobs, durable_blobs
 from inference_node.kv_fetch import MemoryServiceKv
 from inference_node.plan import ChunkLoad
@@ -34,16 +35,10 @@ def _blobs_dir(service) -> Path:
     return Path(service.data_dir) / "kv" / "blobs"
 
 
-def _fetch_calls(servicer_metrics: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in servicer_metrics.splitlines()
-               if line.startswith("inferscale_kv_fetched_blobs_total"))
-
-
 def _service_blobs_served(service) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
-        return _fetch_calls(response.read().decode())
+    """Blobs the service was asked for over FetchKv (served or missing)."""
+    return metric_total(prometheus_samples(f"http://127.0.0.1:{service.metrics_port}/metrics"),
+                        "inferscale_kv_fetched_blobs_total")
 
 
 def _same(got, wanted) -> None:
