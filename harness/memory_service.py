@@ -84,7 +84,8 @@ class MemoryServiceProcess:
                     pass
                 time.sleep(0.2)
         self.stop(signal.SIGKILL)
-        raise TimeoutError(f"memory service not SERVING after {STARTUP_TIMEOUT_S}s; log: {self.log_path}")
+        raise TimeoutError(f"memory service not SERVING after {STARTUP_TIMEOUT_S}s; log {self.log_path} ends:\n"
+                           f"{self.log_path.read_text(errors='replace')[-4000:]}")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Sends `sig` and waits for the exit; returns the exit code."""

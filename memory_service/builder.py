@@ -71,7 +71,8 @@ class ServiceBuilder:
         self._closers: list[tuple[str, Callable[[], object]]] = []
 
     def _made(self, part: str, close: Callable[[], object]) -> None:
-        """Registers how to close a part just made."""
+        """Registers how to close a part just made (and logs it: a start that hangs shows the last part made)."""
+        log.info("part_made", part=part)
         self._closers.append((part, close))
 
     def _threads(self, count: int, prefix: str) -> ThreadPoolExecutor:
