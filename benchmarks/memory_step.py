@@ -2,18 +2,20 @@
 concurrent callers against a real memory service holding Llama-3-8B-sized fact KV.
 
     python -m benchmarks.memory_step [--users 16] [--facts-per-user 50] [--k 50] [--callers 1 8 64]
-        [--duration-s 15] [--kv-host-budget-mb 1024] [--embeds service caller] [--fetch]
+        [--duration-s 15] [--kv-host-budget-mb 1024] [--embeds service caller] [--fetch] [--replicas 1 4 8]
 
-Starts a memory service, gives each user `--facts-per-user` facts, has the synthetic worker compute their KV at the
+Starts the memory service (`--replicas`: as many replicas as the largest value, on a real PostgreSQL and SeaweedFS
+when it is above 1 or with `--shared-stores`; each set of phases spreads its calls round robin over the first n),
+gives each user `--facts-per-user` facts, has the synthetic worker compute their KV at the
 `--shape` (random bf16 KV of Llama-3-8B's shape by default: ~4.4 MiB per fact of 2 clauses), then, for each number
 of callers, runs a closed loop of RetrieveAndStage calls at top_k=k with the exact KvProfile a node of that shape
 announces, each call for a random user and question, with the query's text (the service embeds it) or its vector
 (embedded beforehand, as a node with --embed-queries-locally sends it: `--embeds caller`). A call keeps its memory
 when it answers with k facts whose KV is ready; one that does not is counted apart (never in the latency figures).
 With `--fetch` every call is followed by the FetchKv of its facts, as a node whose cache lacks them would make.
-Reports calls/s, p50/p99 and the KV work per call read off the service's metrics (KV bytes read by source,
-durable-tier lookups). `--service-source DIR` runs the service from another checkout (the same benchmark before and
-after a change).
+Reports calls/s, p50/p99, the CPU per call of the replicas and of PostgreSQL (/proc), and the KV work per call read
+off the service's metrics (KV bytes read by source, durable-tier lookups). `--service-source DIR` runs the service
+from another checkout (the same benchmark before and after a change).
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from benchmarks.dummy_model import SHAPES, build_dummy_model
+from benchmarks.replicas import totals
 from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
 from harness.memory_service import MemoryServiceProcess
+from harness.servers import Replicas, memory_service_replicas
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
+from inferscale_kv.call_credentials import REPLICA_OPTIONS
 from inferscale_kv.layout import memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
@@ -62,6 +67,7 @@ WORK_COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
 class PhaseResult:
     callers: int
     embeds: str = "service"
+    replicas: int = 1
     calls: int = 0
     kept: int = 0
     lost: list[str] = field(default_factory=list)
@@ -78,14 +84,20 @@ class PhaseResult:
 
         fetches = sorted(self.fetch_latencies_ms)
 
-        per_call = {name: round(value / self.calls, 1) if self.calls else None for name, value in self.work.items()}
-        return {"embeds": self.embeds, "callers": self.callers, "calls": self.calls,
+        per_call = {name: round(self.work[name] / self.calls, 1) if self.calls else None for name in WORK_COUNTERS
+                    if name in self.work}
+
+        def cpu_ms_per_call(name: str) -> float | None:
+            return round(self.work[name] * 1000 / self.calls, 3) if self.calls and name in self.work else None
+
+        return {"replicas": self.replicas, "embeds": self.embeds, "callers": self.callers, "calls": self.calls,
                 "calls_per_s": round(self.calls / self.wall_s, 1),
                 "p50_ms": quantile(0.5), "p99_ms": quantile(0.99),
                 "mean_ms": round(statistics.fmean(ordered), 2) if ordered else None,
                 "fetch_p50_ms": quantile(0.5, fetches), "fetch_p99_ms": quantile(0.99, fetches),
                 "kept_memory": self.kept, "lost_memory": len(self.lost), "lost_examples": self.lost[:3],
-                "work_per_call": per_call}
+                "work_per_call": per_call, "service_cpu_ms_per_call": cpu_ms_per_call("service_cpu_s"),
+                "postgres_cpu_ms_per_call": cpu_ms_per_call("postgres_cpu_s")}
 
 
 def service_counters(metrics_port: int) -> dict[str, float]:
@@ -216,6 +228,11 @@ def main() -> None:
     parser.add_argument("--fact-clauses", type=int, default=2)
     parser.add_argument("--k", type=int, default=50)
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1],
+                        help="memory-service replicas the calls are spread over, round robin, one set of phases per "
+                        "value (more than one: on a real PostgreSQL and SeaweedFS, as a Kubernetes deployment runs)")
+    parser.add_argument("--shared-stores", action="store_true",
+                        help="run on PostgreSQL and SeaweedFS even with one replica (the same stores as the others)")
     parser.add_argument("--duration-s", type=float, default=15.0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--kv-dtype", default="bfloat16")
@@ -244,55 +261,76 @@ def main() -> None:
         service_flags += ["--kv-host-budget-mb", str(args.kv_host_budget_mb)]
     results: dict[str, Any] = {"args": {key: str(value) for key, value in vars(args).items()}, "phases": []}
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    shared = args.shared_stores or max(args.replicas) > 1
     with tempfile.TemporaryDirectory(prefix="memory-step-") as scratch:
         work = Path(scratch)
         model_dir = build_dummy_model(work / args.shape, args.shape, tokenizer_dir, args.kv_dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         profile = build_model_profile(model_dir, tokenizer, args.kv_dtype, DEFAULT_CONTEXT_WINDOW)
         assert memory_header_ids(tokenizer), "the memory header must tokenize"
-        service = MemoryServiceProcess(work / "data", work / "service.log", *service_flags, env=env,
-                                       source=args.service_source.resolve() if args.service_source else None)
-        service.start()
-        try:
-            populate(service, model_dir, users, args.facts_per_user, args.fact_clauses, args.kv_dtype, env)
+        with memory_service_replicas(work / "service", max(args.replicas), *service_flags, shared=shared, env=env,
+                                     source=args.service_source.resolve() if args.service_source else None
+                                     ) as deployed:
+            populate(deployed.services[0], model_dir, users, args.facts_per_user, args.fact_clauses, args.kv_dtype,
+                     env)
             kv_profile = pb.KvProfile(**profile.as_dict())
             requests = {"service": retrieval_requests(users, questions, kv_profile, args.k, [], "")}
             if "caller" in args.embeds:
                 requests["caller"] = retrieval_requests(users, questions, kv_profile, args.k,
                                                         *query_vectors(questions))
-
-            async def run_phases() -> None:
-                async with grpc.aio.insecure_channel(service.address,
-                                                     options=[("grpc.max_receive_message_length", 256 << 20)]
-                                                     ) as channel:
-                    stub = memory_pb2_grpc.MemoryServiceStub(channel)
-                    for embeds in args.embeds:
-                        await closed_loop(stub, requests[embeds], 4, 3.0, args.k, args.fetch, seed=0)  # warm-up
-                        for callers in args.callers:
-                            before = service_counters(service.metrics_port)
-                            phase = await closed_loop(stub, requests[embeds], callers, args.duration_s, args.k,
-                                                      args.fetch, seed=callers)
-                            after = service_counters(service.metrics_port)
-                            phase.embeds = embeds
-                            phase.work = {name: after[name] - before[name] for name in before}
-                            summary = phase.summary()
-                            results["phases"].append(summary)
-                            args.output.write_text(json.dumps(results, indent=2))
-                            print(json.dumps(summary), flush=True)
-
-            asyncio.run(run_phases())
-        finally:
-            service.stop()
-    print("\n| embeds | callers | calls/s | p50 ms | p99 ms | kept | lost | durable lookups/call | bytes read/call: "
-          "durable | host |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for replicas in args.replicas:
+                phase_replicas = Replicas(deployed.services[:replicas], deployed.s3, deployed.bucket)
+                asyncio.run(run_phases(phase_replicas, requests, args, users, results))
+    print("\n| replicas | stores | embeds | callers | calls/s | p50 ms | p99 ms | kept | lost | service CPU ms/call | "
+          "PostgreSQL CPU ms/call | durable lookups/call | bytes read/call: durable | host |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for phase in results["phases"]:
         work = phase["work_per_call"]
-        print(f"| {phase['embeds']} | {phase['callers']} | {phase['calls_per_s']} | {phase['p50_ms']} | "
-              f"{phase['p99_ms']} | "
-              f"{phase['kept_memory']} | {phase['lost_memory']} | {work['durable_lookups']} | "
-              f"{work['durable_bytes_read']} | {work['host_bytes_read']} |")
+        print(f"| {phase['replicas']} | {'shared' if shared else 'embedded'} | {phase['embeds']} | "
+              f"{phase['callers']} | {phase['calls_per_s']} | {phase['p50_ms']} | {phase['p99_ms']} | "
+              f"{phase['kept_memory']} | {phase['lost_memory']} | {phase['service_cpu_ms_per_call']} | "
+              f"{phase['postgres_cpu_ms_per_call']} | {work['durable_lookups']} | {work['durable_bytes_read']} | "
+              f"{work['host_bytes_read']} |")
     print(f"\nwritten: {args.output}")
+
+
+async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAndStageRequest]],
+                     args: argparse.Namespace, users: list[str], results: dict[str, Any]) -> None:
+    """Every (embeds, callers) phase against `deployed`'s replicas, spread round robin as a node's channel spreads
+    its calls; first, every replica has looked up every user once (its search cache holds them, as in steady
+    state)."""
+    options = [*REPLICA_OPTIONS, ("grpc.max_receive_message_length", 256 << 20)]
+    for service in deployed.services:
+        async with grpc.aio.insecure_channel(service.address, options=options) as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            for user in users:
+                warm = next(request for request in requests[args.embeds[0]] if request.user_id == user)
+                await stub.RetrieveAndStage(warm, timeout=60)
+    async with grpc.aio.insecure_channel(deployed.address, options=options) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        for embeds in args.embeds:
+            await closed_loop(stub, requests[embeds], 4, 3.0, args.k, args.fetch, seed=0)  # warm-up
+            for callers in args.callers:
+                before = phase_counters(deployed)
+                phase = await closed_loop(stub, requests[embeds], callers, args.duration_s, args.k, args.fetch,
+                                          seed=callers)
+                after = phase_counters(deployed)
+                phase.embeds, phase.replicas = embeds, len(deployed.services)
+                phase.work = {name: after[name] - before[name] for name in before}
+                summary = phase.summary()
+                results["phases"].append(summary)
+                args.output.write_text(json.dumps(results, indent=2))
+                print(json.dumps(summary), flush=True)
+
+
+def phase_counters(deployed: Replicas) -> dict[str, float]:
+    """The WORK_COUNTERS summed over the replicas, and the CPU seconds of the replicas and of PostgreSQL so far."""
+    values = dict.fromkeys(WORK_COUNTERS, 0.0)
+    for service in deployed.services:
+        for name, value in service_counters(service.metrics_port).items():
+            values[name] += value
+    cpu = totals(deployed)
+    return {**values, "service_cpu_s": cpu["cpu_s"], "postgres_cpu_s": cpu["postgres_cpu_s"]}
 
 
 if __name__ == "__main__":

@@ -168,20 +168,23 @@ class Replicas:
 
 @contextmanager
 def memory_service_replicas(root: Path, replicas: int, *flags: str, shared: bool = True,
-                            bucket: str = "inferscale") -> Iterator[Replicas]:
+                            bucket: str = "inferscale", env: dict[str, str] | None = None,
+                            source: Path | None = None) -> Iterator[Replicas]:
     """`replicas` memory services on loopback: on a real PostgreSQL and SeaweedFS when `shared`, else (one replica)
-    on the embedded defaults. Replicas still running at the end are stopped."""
+    on the embedded defaults; `env` and `source` as MemoryServiceProcess takes them. Replicas still running at the
+    end are stopped."""
     from harness.memory_service import MemoryServiceProcess
 
     with contextlib.ExitStack() as stack:
-        shared_flags, env, s3 = [], {}, None
+        shared_flags, s3 = [], None
+        env = dict(env or {})
         if shared:
             url = stack.enter_context(postgres_server(root / "postgres"))
             s3 = stack.enter_context(seaweedfs_s3(root / "s3"))
             s3.create_bucket(bucket)
             shared_flags = ["--coordination-url", url, "--store-uri", f"s3://{bucket}/service", "--s3-endpoint",
                             s3.url, "--s3-allow-http"]
-            env = s3.environment()
+            env.update(s3.environment())
         services = []
 
         def stop_if_running(service: MemoryServiceProcess) -> None:
@@ -190,7 +193,7 @@ def memory_service_replicas(root: Path, replicas: int, *flags: str, shared: bool
 
         for index in range(replicas):
             service = MemoryServiceProcess(root / f"replica-{index}", root / f"replica-{index}.log", *flags,
-                                           *shared_flags, env=env)
+                                           *shared_flags, env=env, source=source)
             stack.callback(stop_if_running, service)
             services.append(service.start())
         try:
