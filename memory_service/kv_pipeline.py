@@ -481,13 +481,16 @@ class KvPipeline:
 
     # ------------------------------------------------------------------ serving
 
-    async def entries(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
-        """Stored KV of the current versions of `facts`; facts lacking it (and not queued) get queued."""
-        return await run_blocking(self._entries_blocking, profile_id, user_id, facts)
+    async def serving_entries(self, profile_id: str, user_id: str,
+                              facts: Sequence[StoredFact]) -> tuple[dict[str, KvEntry], KvEntry | None]:
+        """Stored KV of the current versions of `facts`, and the profile's header entry (KvIndex.serving_entries);
+        facts lacking KV (and not queued) get queued."""
+        return await run_blocking(self._serving_entries_blocking, profile_id, user_id, facts)
 
-    def _entries_blocking(self, profile_id: str, user_id: str, facts: Sequence[StoredFact]) -> dict[str, KvEntry]:
+    def _serving_entries_blocking(self, profile_id: str, user_id: str,
+                                  facts: Sequence[StoredFact]) -> tuple[dict[str, KvEntry], KvEntry | None]:
         fact_ids = [f.fact_id for f in facts]
-        entries = self._kv_index.entries(profile_id, user_id, fact_ids)
+        entries, header = self._kv_index.serving_entries(profile_id, user_id, fact_ids)
         versions = {f.fact_id: f.version for f in facts}
         current = {fid: e for fid, e in entries.items() if versions[fid] == e.key.version}
         lacking = [f for f in facts if f.fact_id not in current]
@@ -495,7 +498,7 @@ class KvPipeline:
         missing = [(user_id, f.fact_id, f.version) for f in lacking if jobs.get(f.fact_id) != f.version]
         if missing:
             self._work_queue.enqueue([profile_id], missing)
-        return current
+        return current, header
 
     async def fetch(self, keys: Sequence[KvKey]) -> AsyncIterator[tuple[KvKey, bytes | None]]:
         """Each key with its blob, in order: None where the index does not list exactly that key when its turn comes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from memory_service.sql import Database
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # The layout of version 1, then the tables added since (created on any database that lacks them).
 TABLES = (
     # coordination.profiles
@@ -42,6 +42,8 @@ TABLES = (
     "fact_id TEXT NOT NULL, version BIGINT NOT NULL, content_id TEXT NOT NULL, blob_sha256 TEXT NOT NULL, "
     "worker_id TEXT NOT NULL, reason TEXT NOT NULL, quarantined_at DOUBLE PRECISION NOT NULL, blob BYTEA NOT NULL, "
     "PRIMARY KEY (profile_id, user_id, fact_id, version, content_id, blob_sha256))",
+    # coordination.kv_index (version 3)
+    "CREATE TABLE IF NOT EXISTS kv_generations (user_digest TEXT PRIMARY KEY, generation BIGINT NOT NULL)",
 )
 # Columns added to version-1 tables, by the version that added them.
 UPGRADES = {
