@@ -20,6 +20,7 @@ from benchmarks.dummy_model import LLAMA3_8B
 from inference_node.connector.compose import (
     ChunkSlice,
     PagedCaches,
+    PagedLoad,
     compose_into_cache,
     compose_prefix,
 )
@@ -108,7 +109,8 @@ def check_cache_writes(slices: list[ChunkSlice], cos: torch.Tensor, sin: torch.T
                             dtype=sample.dtype).transpose(1, 2) for _ in range(layers)]
 
     fused_caches, backend_caches = empty_caches(), empty_caches()
-    target = PagedCaches(fused_caches, block_ids, block_size)
+    target = PagedCaches(fused_caches, block_size)
+    load = PagedLoad(slices, start, block_ids)
     assert target.writable_by_kernel(sample.dtype)
     scale = torch.ones((), device=sample.device, dtype=torch.float32)
     positions = torch.arange(start, start + count)
@@ -120,10 +122,10 @@ def check_cache_writes(slices: list[ChunkSlice], cos: torch.Tensor, sin: torch.T
             key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
             reshape_and_cache_flash(keys[layer], values[layer], key_cache, value_cache, slots, "auto", scale, scale)
 
-    compose_into_cache(slices, start, cos, sin, target)
+    compose_into_cache([load], cos, sin, target)
     backend_write()
     identical = all(torch.equal(a, b) for a, b in zip(fused_caches, backend_caches, strict=True))
-    into_ms = median_ms(lambda: compose_into_cache(slices, start, cos, sin, target))
+    into_ms = median_ms(lambda: compose_into_cache([load], cos, sin, target))
     backend_ms = median_ms(backend_write)
     print(f"     paged cache write, {count} tokens: compose_into_cache {into_ms:.3f} ms vs compose + "
           f"{layers} x reshape_and_cache_flash {backend_ms:.3f} ms; caches bit-identical: {identical}")

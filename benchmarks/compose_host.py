@@ -41,21 +41,21 @@ def time_load(config: LlamaConfig, lengths: list[int], caches: list[torch.Tensor
     layers, kv_heads, head_dim = kv_dims(config)
     slices = random_chunks(config, lengths, device, dtype)
     count = sum(lengths)
-    target = compose.PagedCaches(caches, tuple(torch.randperm(BLOCKS)[: -(-count // BLOCK_SIZE)].tolist()),
-                                 BLOCK_SIZE)
+    target = compose.PagedCaches(caches, BLOCK_SIZE)
+    load = compose.PagedLoad(slices, 0, tuple(torch.randperm(BLOCKS)[: -(-count // BLOCK_SIZE)].tolist()))
     pointers = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64)
-    block_ids = torch.tensor(target.block_ids, dtype=torch.int64)
-    tables = compose._index_tables(slices, device, pointers, block_ids)
+    positions, slots = torch.arange(count, dtype=torch.int64), torch.from_numpy(load.slots(BLOCK_SIZE))
+    tables = compose._index_tables(slices, device, positions, pointers, slots)
     first = caches[0]
 
     def launch() -> None:
         compose._rope_gather_kernel[(count, layers)](
-            *tables[:5], cos, sin, tables[5], tables[6], 0, count, *first.stride()[:3], HEADS=kv_heads,
+            *tables[:6], cos, sin, tables[6], tables[7], tables[7], count, *first.stride()[:3], HEADS=kv_heads,
             HALF=head_dim // 2, HEADS_POW2=kv_heads, HALF_POW2=head_dim // 2,
             OUT_DTYPE=compose._TRITON_DTYPES[dtype], BLOCK_SIZE=BLOCK_SIZE, PAGED=True)
 
-    whole = wall_ms(lambda: compose.compose_into_cache(slices, 0, cos, sin, target))
-    building = wall_ms(lambda: compose._index_tables(slices, device, pointers, block_ids))
+    whole = wall_ms(lambda: compose.compose_into_cache([load], cos, sin, target))
+    building = wall_ms(lambda: compose._index_tables(slices, device, positions, pointers, slots))
     return whole, building, wall_ms(launch)
 
 

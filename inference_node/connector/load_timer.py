@@ -28,9 +28,10 @@ class LoadTimer(Protocol):
         """The load being written ended `phase` ("compose", then "write")."""
         ...
 
-    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float) -> None:
-        """One load's own work: finding its chunks in the node cache (`lookup_ms`, reported as `stage_ms`), then
-        composing and writing from `write_started` to its marks."""
+    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float, loads_in_step: int) -> None:
+        """One load's work: finding its chunks in the node cache (`lookup_ms`, reported as `stage_ms`), then
+        composing and writing from `write_started` to the marks: the step's write, shared by its `loads_in_step`
+        loads (reported with each)."""
         ...
 
 
@@ -46,7 +47,7 @@ class Untimed:
     def mark(self, phase: str) -> None:
         return
 
-    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float) -> None:
+    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float, loads_in_step: int) -> None:
         return
 
 
@@ -67,11 +68,11 @@ class JsonLinesLoadTimer:
     def mark(self, phase: str) -> None:
         self._phase_ends[phase] = self.now()
 
-    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float) -> None:
+    def record(self, spec: LoadSpec, lookup_ms: float, write_started: float, loads_in_step: int) -> None:
         ends = self._phase_ends
         compose_ms, write_ms = (ends["compose"] - write_started) * 1000, (ends["write"] - ends["compose"]) * 1000
         record = {"request_id": spec.request_id, "tokens": spec.end - spec.start, "chunks": len(spec.chunks),
                   "ms": lookup_ms + compose_ms + write_ms, "stage_ms": lookup_ms, "compose_ms": compose_ms,
-                  "write_ms": write_ms}
+                  "write_ms": write_ms, "loads_in_step": loads_in_step}
         with open(self.path, "a") as stats_file:
             stats_file.write(json.dumps(record) + "\n")

@@ -1,16 +1,17 @@
-"""The connector's worker role: writes each synchronous load's prefix (gather + RoPE at the final positions with
-the model's own tables) into the request's blocks from the node cache's device tier before the step's forward (the
-host-tier chunks the step's loads need copied back into it first, in stream order), and prefetches chunks into its
-tiers on fetch threads (residency.py), reporting each settled chunk, and each tier's bytes and time, to the
-scheduler role.
+"""The connector's worker role: writes the step's synchronous loads (gather + RoPE at each token's final position
+with the model's own tables) into the requests' blocks from the node cache's device tier before the step's forward,
+every load of the step in one batched write (the host-tier chunks the step's loads need copied back into it first,
+in stream order), and prefetches chunks into its tiers on fetch threads (residency.py), reporting each settled
+chunk, and each tier's bytes and time, to the scheduler role.
 
-On CUDA with the cache in the model dtype one fused Triton kernel composes and writes (`compose.compose_into_cache`);
-elsewhere torch ops compose (`compose.compose_prefix`) and each attention layer's own `do_kv_cache_update`
-writes (CPU's packed layout, fp8 caches). The engine thread never waits on the network: it only starts prefetches
-and polls them. Nothing raises into the engine: a load that fails (a defect, the scheduler proved its chunks
-resident) reports its blocks, and vLLM fails the request (kv_load_failure_policy="fail"). Counts reach Prometheus
-through vLLM's connector stats (stats.py). Where missing KV comes from and whether loads are timed are chosen once,
-when the worker is built (`from_settings`: kv_source.py, load_timer.py).
+On CUDA with the cache in the model dtype one fused Triton kernel launch composes and writes every load
+(`compose.compose_into_cache`); elsewhere torch ops compose them together (`compose.compose_for_slots`) and each
+attention layer's own `do_kv_cache_update` writes them in one call per layer (CPU's packed layout, fp8 caches). The
+engine thread never waits on the network: it only starts prefetches and polls them. Nothing raises into the engine:
+a load that fails (a defect, the scheduler proved its chunks resident) reports its blocks, and vLLM fails the
+request (kv_load_failure_policy="fail"). Counts reach Prometheus through vLLM's connector stats (stats.py). Where
+missing KV comes from and whether loads are timed are chosen once, when the worker is built (`from_settings`:
+kv_source.py, load_timer.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from __future__ import annotations
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
 
-from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
+from inference_node.connector.compose import ChunkSlice, PagedCaches, PagedLoad, compose_for_slots, compose_into_cache
 from inference_node.connector.kv_source import KvSource, kv_source
 from inference_node.connector.load_timer import LoadTimer, load_timer
 from inference_node.connector.metadata import InferScaleConnectorMetadata, LoadSpec, PrefetchReport, PrefetchSpec
@@ -83,30 +85,30 @@ class InferScaleWorker:
 
     def start_load_kv(self, metadata: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
         """Applies the directory's device evictions, copies the step's promotions from the host tier, applies its
-        host evictions, writes every load before this step's forward (from the device tier only), then starts the
-        step's prefetches on the fetch threads. Never raises; never waits on the network or a copy."""
+        host evictions, writes every load before this step's forward (from the device tier only; all of them in one
+        batched write, each checked on its own first), then starts the step's prefetches on the fetch threads. Never
+        raises; never waits on the network or a copy."""
         self._cache.remove(metadata.evictions)
         if metadata.promotions:
             self._promote(metadata.promotions, forward_context)
         self._host_cache.remove(metadata.host_evictions)
+        ready: list[_ReadyLoad] = []
         for spec in metadata.loads:
             if self._counts_loads:
                 self._stats.add("loads")
             try:
                 started = self._timer.now()
                 layers = self._attention_layers(forward_context)
-                entries = self._residency.resident(spec.chunks)
-                looked_up_at = self._timer.now()
-                self._write(spec, entries, layers)
-                if self._counts_loads:
-                    self._stats.add("tokens_loaded", spec.end - spec.start)
-                self._timer.record(spec, (looked_up_at - started) * 1000, looked_up_at)
+                load = self._paged_load(spec, self._residency.resident(spec.chunks), len(layers))
+                ready.append(_ReadyLoad(spec, load, (self._timer.now() - started) * 1000))
             except NotResident as exc:
                 self._stats.add("sync_misses")
                 self._fail(spec, str(exc))
             except Exception as exc:  # never into the engine: report the blocks; vLLM fails the request
                 logger.exception("InferScale defect: the KV load of request %s raised", spec.request_id)
                 self._fail(spec, repr(exc))
+        if ready:
+            self._write_step(ready, self._attention_layers(forward_context))
         for prefetch in metadata.prefetches:
             self._start_prefetch(prefetch, forward_context)
 
@@ -243,10 +245,9 @@ class InferScaleWorker:
             self._layers = dict(sorted(layers.items()))
         return self._layers
 
-    def _write(self, spec: LoadSpec, entries: list[CachedKv], layers: dict[int, Any]) -> None:
-        """Composes the load's span [start, end) and writes it into the request's blocks (engine thread only).
-        Every slice is bounds-checked against its entry (ChunkSlice) before a kernel reads it."""
-        device = _layer_cache(next(iter(layers.values()))).device
+    def _paged_load(self, spec: LoadSpec, entries: list[CachedKv], num_layers: int) -> PagedLoad:
+        """The load's span [start, end) of its chunks' KV, every slice bounds-checked against its entry (ChunkSlice)
+        and the whole against the request's blocks and the model's layers: ValueError, failing this load alone."""
         slices = []
         for chunk, entry in zip(spec.chunks, entries, strict=True):
             if entry.token_ids != chunk.token_ids:
@@ -255,31 +256,61 @@ class InferScaleWorker:
             if lo < hi:
                 slices.append(ChunkSlice(entry.keys, entry.values, lo - chunk.offset, hi - chunk.offset))
         count = spec.end - spec.start
-        if sum(s.end - s.begin for s in slices) != count or min(e.keys.shape[0] for e in entries) < len(layers):
-            raise ValueError(f"KV of {len(entries)} chunks does not cover {count} tokens x {len(layers)} layers")
+        if sum(s.end - s.begin for s in slices) != count or min(e.keys.shape[0] for e in entries) < num_layers:
+            raise ValueError(f"KV of {len(entries)} chunks does not cover {count} tokens x {num_layers} layers")
+        if spec.end > min(len(spec.block_ids) * self.block_size, self._model_config.max_model_len):
+            raise ValueError(f"tokens [{spec.start}, {spec.end}) past the request's {len(spec.block_ids)} blocks or "
+                             "the model's length")
+        return PagedLoad(slices, spec.start, spec.block_ids)
+
+    def _write_step(self, ready: list[_ReadyLoad], layers: dict[int, Any]) -> None:
+        """Composes every ready load and writes them into their requests' blocks in one batch (engine thread only).
+        A batch that raises fails each of its loads' requests (a defect: each load was checked)."""
+        write_started = self._timer.now()
+        try:
+            self._write(ready, layers)
+        except Exception as exc:  # never into the engine: report the blocks; vLLM fails the requests
+            logger.exception("InferScale defect: the KV write of %d loads raised", len(ready))
+            for load in ready:
+                self._fail(load.spec, repr(exc))
+            return
+        for load in ready:
+            if self._counts_loads:
+                self._stats.add("tokens_loaded", load.spec.end - load.spec.start)
+            self._timer.record(load.spec, load.lookup_ms, write_started, len(ready))
+
+    def _write(self, ready: list[_ReadyLoad], layers: dict[int, Any]) -> None:
+        device = _layer_cache(next(iter(layers.values()))).device
         if self._rope is None:
             tables = RotaryTables.from_config(self._model_config.hf_config, self._model_config.max_model_len, device)
             self._rope = (tables.cos.float().contiguous(), tables.sin.float().contiguous())
-        caches = PagedCaches([_layer_cache(layer) for layer in layers.values()], spec.block_ids, self.block_size)
+        loads = [load.paged for load in ready]
+        caches = PagedCaches([_layer_cache(layer) for layer in layers.values()], self.block_size)
         if self._cache_dtype_is_model_dtype and caches.writable_by_kernel(self._dtype):
-            compose_into_cache(slices, spec.start, *self._rope, caches)  # compose and cache writes in one launch
+            compose_into_cache(loads, *self._rope, caches)  # compose and cache writes in one launch
             self._timer.mark("compose")
             self._timer.mark("write")
             return
-        keys, values = compose_prefix(slices, spec.start, *self._rope, len(layers))
-        positions = torch.arange(spec.start, spec.end)
-        block_table = torch.tensor(spec.block_ids, dtype=torch.int64)
-        slots = block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        keys, values, slots = compose_for_slots(loads, *self._rope, len(layers), self.block_size)
         if device.type == "cuda":
             slots = slots.pin_memory()
         slots = slots.to(device, non_blocking=True)
         self._timer.mark("compose")
         for index, layer in layers.items():
-            expected = (count, layer.num_kv_heads, layer.head_size)
+            expected = (len(slots), layer.num_kv_heads, layer.head_size)
             if tuple(keys[index].shape) != expected:
                 raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
             layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
         self._timer.mark("write")
+
+
+@dataclass(frozen=True)
+class _ReadyLoad:
+    """A load of the step whose chunks are resident and checked: written with the step's others."""
+
+    spec: LoadSpec
+    paged: PagedLoad
+    lookup_ms: float
 
 
 class _CopyTiming:

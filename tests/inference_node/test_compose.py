@@ -9,7 +9,14 @@ import sys
 import pytest
 import torch
 
-from inference_node.connector.compose import ChunkSlice, PagedCaches, compose_into_cache, compose_prefix
+from inference_node.connector.compose import (
+    ChunkSlice,
+    PagedCaches,
+    PagedLoad,
+    compose_for_slots,
+    compose_into_cache,
+    compose_prefix,
+)
 from inferscale_kv.rope import apply_rope
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
@@ -61,23 +68,30 @@ def test_fused_triton_kernel_equals_the_torch_path() -> None:
 
 PAGED_CHECK = """
 import torch
-from tests.inference_node.test_compose import (BLOCK_IDS, BLOCK_SIZE, LAYERS, _empty_cache, _slices, _tables,
-                                               _write_slots)
+from tests.inference_node.test_compose import BLOCK_SIZE, LAYERS, _empty_cache, _loads, _tables, _write_slots
 from inference_node.connector.compose import PagedCaches, compose_into_cache
-slices, (cos, sin) = _slices(2), _tables()
+loads, (cos, sin) = _loads(), _tables()
 for physical in ("NHD", "HND"):
     caches = [_empty_cache(physical) for _ in range(LAYERS)]
     expected = [cache.clone() for cache in caches]
-    target = PagedCaches(caches, BLOCK_IDS, BLOCK_SIZE)
-    compose_into_cache(slices, 3, cos, sin, target)
-    _write_slots(slices, 3, cos, sin, PagedCaches(expected, target.block_ids, target.block_size))
+    compose_into_cache(loads, cos, sin, PagedCaches(caches, BLOCK_SIZE))
+    for load in loads:
+        _write_slots(load, cos, sin, PagedCaches(expected, BLOCK_SIZE))
     same_slots = all(torch.equal(got.isnan(), want.isnan()) for got, want in zip(caches, expected))
     print(max((got - want).nan_to_num().abs().max().item() for got, want in zip(caches, expected)) if same_slots
           else "inf")
 """
 
 
-BLOCK_IDS, BLOCK_SIZE, BLOCKS = (5, 2, 7, 0), 4, 8
+BLOCK_SIZE, BLOCKS = 4, 16
+
+
+def _loads() -> list[PagedLoad]:
+    """Three requests' loads of one engine step: mixed lengths, starts (one after a prefix-cache hit, inside a chunk)
+    and block tables."""
+    slices = _slices(2)
+    return [PagedLoad(slices, 3, (5, 2, 7, 0)), PagedLoad(_slices(3), 0, (9, 1, 12, 3)),
+            PagedLoad([ChunkSlice(slices[2].keys, slices[2].values, 2, 5)], 6, (11, 13, 15))]
 
 
 def _empty_cache(physical: str) -> torch.Tensor:
@@ -87,20 +101,20 @@ def _empty_cache(physical: str) -> torch.Tensor:
     return torch.full((BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM), float("nan"))
 
 
-def _write_slots(slices: list[ChunkSlice], start: int, cos: torch.Tensor, sin: torch.Tensor,
-                 caches: PagedCaches) -> None:
-    """The reference: torch compose, then every token written to its slot one by one."""
-    keys, values = compose_prefix(slices, start, cos, sin, LAYERS, fused=False)
+def _write_slots(load: PagedLoad, cos: torch.Tensor, sin: torch.Tensor, caches: PagedCaches) -> None:
+    """The reference: the load alone composed by torch, then every token written to its slot one by one."""
+    keys, values = compose_prefix(load.slices, load.start, cos, sin, LAYERS, fused=False)
     for token in range(keys.shape[1]):
-        position = start + token
-        block, slot = caches.block_ids[position // caches.block_size], position % caches.block_size
+        position = load.start + token
+        block, slot = load.block_ids[position // caches.block_size], position % caches.block_size
         for layer, cache in enumerate(caches.layers):
             cache[block, :, slot, :HEAD_DIM] = keys[layer, token]
             cache[block, :, slot, HEAD_DIM:] = values[layer, token]
 
 
-def test_fused_kernel_writes_the_composed_prefix_into_paged_caches_of_either_physical_layout() -> None:
-    """compose_into_cache (Triton interpreter) == torch compose + slot-by-slot writes; untouched slots stay NaN."""
+def test_fused_kernel_writes_a_steps_loads_into_paged_caches_of_either_physical_layout() -> None:
+    """compose_into_cache of three loads in one launch (Triton interpreter) == each load alone composed by torch and
+    written slot by slot; untouched slots stay NaN."""
     result = subprocess.run([sys.executable, "-c", PAGED_CHECK], capture_output=True, text=True, timeout=600,
                             check=False, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -109,6 +123,22 @@ def test_fused_kernel_writes_the_composed_prefix_into_paged_caches_of_either_phy
 
 
 def test_fused_cache_write_refuses_a_block_table_that_does_not_cover_the_tokens() -> None:
-    caches = PagedCaches([_empty_cache("HND") for _ in range(LAYERS)], (5, 2), 4)
+    caches = PagedCaches([_empty_cache("HND") for _ in range(LAYERS)], 4)
     with pytest.raises(ValueError, match="do not cover"):
-        compose_into_cache(_slices(), 3, *_tables(), caches)
+        compose_into_cache([_loads()[1], PagedLoad(_slices(), 3, (5, 2))], *_tables(), caches)
+
+
+def test_torch_compose_of_a_steps_loads_is_each_load_composed_alone_bit_for_bit() -> None:
+    loads, (cos, sin) = _loads(), _tables()
+    keys, values, slots = compose_for_slots(loads, cos, sin, LAYERS, BLOCK_SIZE)
+    first = 0
+    for load in loads:
+        alone_keys, alone_values = compose_prefix(load.slices, load.start, cos, sin, LAYERS, fused=False)
+        count = alone_keys.shape[1]
+        assert torch.equal(keys[:, first : first + count], alone_keys)
+        assert torch.equal(values[:, first : first + count], alone_values)
+        positions = range(load.start, load.start + count)
+        assert slots[first : first + count].tolist() == [
+            load.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+        first += count
+    assert first == keys.shape[1] == len(slots)

@@ -33,7 +33,7 @@ HF_CONFIG = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_hea
                         num_hidden_layers=LAYERS, intermediate_size=128, vocab_size=128)
 CHUNKS = (ChunkLoad(KvKey("p", HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "a" * 32), (1, 2, 3), 0),
           ChunkLoad(KvKey("p", "u1", "f", 1, "b" * 32), (10, 11, 12, 13), 3))
-RECORD_FIELDS = ["request_id", "tokens", "chunks", "ms", "stage_ms", "compose_ms", "write_ms"]
+RECORD_FIELDS = ["request_id", "tokens", "chunks", "ms", "stage_ms", "compose_ms", "write_ms", "loads_in_step"]
 
 
 def _settings(**overrides) -> NodeSettings:
@@ -42,10 +42,11 @@ def _settings(**overrides) -> NodeSettings:
 
 
 class _AttentionLayer:
-    """An attention layer as the worker sees it: a paged cache and the backend's cache update (recorded)."""
+    """An attention layer as the worker sees it: a paged cache and the backend's cache update (recorded, and
+    written slot by slot)."""
 
     def __init__(self) -> None:
-        self.kv_cache = torch.zeros(8, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+        self.kv_cache = torch.full((16, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM), float("nan"))
         self.num_kv_heads, self.head_size = KV_HEADS, HEAD_DIM
         self.written: list[tuple[int, ...]] = []
         self.impl = SimpleNamespace(do_kv_cache_update=self._update)
@@ -54,6 +55,9 @@ class _AttentionLayer:
                 slots: torch.Tensor) -> None:
         assert keys.shape == values.shape == (len(slots), KV_HEADS, HEAD_DIM)
         self.written.append(tuple(slots.tolist()))
+        for token, slot in enumerate(slots.tolist()):
+            cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, :HEAD_DIM] = keys[token]
+            cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, HEAD_DIM:] = values[token]
 
 
 @pytest.fixture
@@ -348,3 +352,31 @@ def test_a_load_of_no_chunks_fails_its_blocks(layers) -> None:
     worker.start_load_kv(InferScaleConnectorMetadata(loads=[spec]), _forward_context(layers))
     assert worker.take_failed_blocks() == {5, 6}
     assert all(layer.written == [] for layer in layers.values())
+
+
+def test_the_loads_of_a_step_are_written_together_with_the_bytes_each_gets_alone_and_one_failing_fails_alone(
+        layers) -> None:
+    """Three loads admitted in one step (a whole one, one starting inside a chunk after a prefix-cache hit, one whose
+    chunks are not resident): one cache update per layer for the two that can load, each token in the slot and with
+    the bytes a load written alone puts there; the third fails its own blocks only."""
+    worker = _worker(_settings(synthetic_kv=True))
+    _prefetch(worker, layers)
+    missing = (ChunkLoad(KvKey("p", "u2", "g", 1, "c" * 32), (20, 21), 3),)
+    together = [LoadSpec("whole", "u1", CHUNKS, 0, 7, (5, 6)), LoadSpec("tail", "u1", CHUNKS, 3, 7, (1, 2)),
+                LoadSpec("absent", "u2", (CHUNKS[0], *missing), 0, 5, (3, 4))]
+    worker.start_load_kv(InferScaleConnectorMetadata(loads=together), _forward_context(layers))
+    assert worker.take_failed_blocks() == {3, 4}
+    assert all(layer.written == [(20, 21, 22, 23, 24, 25, 26, 7, 8, 9, 10)] for layer in layers.values())
+    for alone in (LoadSpec("whole", "u1", CHUNKS, 0, 7, (9, 10)), LoadSpec("tail", "u1", CHUNKS, 3, 7, (11, 12))):
+        worker.start_load_kv(InferScaleConnectorMetadata(loads=[alone]), _forward_context(layers))
+    assert worker.take_failed_blocks() == set()
+    for layer in layers.values():
+        cache = layer.kv_cache
+        assert _same(cache[5:7], cache[9:11])  # positions 0..6 (position 7 never written: NaN in both)
+        assert _same(cache[1, :, 3], cache[11, :, 3]) and _same(cache[2, :, :3], cache[12, :, :3])
+        assert cache[1, :, :3].isnan().all() and cache[3:5].isnan().all()  # nothing outside the loads' slots
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit-equal, NaN (never written) where the other is NaN."""
+    return torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -1,7 +1,9 @@
-"""Under a KV cache too small for the load, preempted and resumed injected requests still answer right."""
+"""Under a KV cache too small for the load, preempted and resumed injected requests, and requests admitted together
+(their loads written in one batch), still answer right."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +19,7 @@ USERS = [Users(__name__)(f"busy-{i}") for i in range(8)]
 QUESTION = "def answer(question):"
 # Prompt ~190 tokens + 120 generated = 10 blocks of 32: one request fits the 15 usable blocks, two do not.
 MAX_TOKENS = 120
-BURSTS = 3
+BURSTS = 6
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,9 @@ def crowded_node(node_memory_service, node_stub, tiny_llama_dir, tmp_path_factor
             for i in range(6)]))
     run_worker(node_memory_service, tiny_llama_dir)
     # 16 blocks of 32 tokens: two of these requests fit at once, so growing ones preempt each other.
-    process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, tmp_path_factory.mktemp("crowded"),
+    root = tmp_path_factory.mktemp("crowded")
+    process = InferenceNodeProcess(node_memory_service.address, tiny_llama_dir, root,
+                                   "--load-stats-path", str(root / "loads.jsonl"),
                                    "--dtype", "float32", "--max-model-len", "384", "--block-size", "32",
                                    "--num-gpu-blocks-override", "16", "--max-num-seqs", "8",
                                    # 8 retrievals at once on a loaded 2-core box: this test is about preemption.
@@ -56,12 +60,21 @@ def _assert_same_greedy_run(got, expected, label: str, tolerance: float = 1e-3) 
     assert got.tokens[:1] == expected.tokens[:1], f"{label}: first token differs"
 
 
+def _most_loads_in_one_step(node: InferenceNodeProcess) -> int:
+    """The most loads the connector wrote in one engine step (its per-load records, --load-stats-path)."""
+    records = (node.work_dir / "loads.jsonl").read_text().splitlines()
+    return max((json.loads(line)["loads_in_step"] for line in records), default=0)
+
+
 def test_every_preempted_injected_request_gives_its_unpreempted_answer(crowded_node) -> None:
-    # One at a time, each request fits: no preemption. These are the right answers.
+    """Bursts of injected requests, until one preempted and one step admitted several loads (written in one batch):
+    every answer is its answer alone."""
+    # One at a time, each request fits: no preemption, one load per step. These are the right answers.
     expected = {user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS)
                 for user in USERS}
+    assert _most_loads_in_one_step(crowded_node) == 1
     before = _preemptions(crowded_node)
-    for _ in range(BURSTS):  # every burst must be right; at least one must have preempted
+    for _ in range(BURSTS):  # every burst must be right
         with ThreadPoolExecutor(max_workers=len(USERS)) as pool:
             injected = dict(zip(USERS, pool.map(
                 lambda user: complete(crowded_node, QUESTION, {"user_id": user, "mode": "kv"}, MAX_TOKENS), USERS),
@@ -69,6 +82,7 @@ def test_every_preempted_injected_request_gives_its_unpreempted_answer(crowded_n
         for user in USERS:
             assert injected[user].summary.get("kv_facts") == 6, f"{user}: {injected[user].summary}"
             _assert_same_greedy_run(injected[user], expected[user], user)
-        if _preemptions(crowded_node) > before:
+        if _preemptions(crowded_node) > before and _most_loads_in_one_step(crowded_node) > 1:
             break
     assert _preemptions(crowded_node) > before, "the load did not cause any preemption"
+    assert _most_loads_in_one_step(crowded_node) > 1, "no step admitted several injected requests"
