@@ -27,7 +27,8 @@
 #   bash benchmarks/device_run.sh OUT defaults            # whole memory (k=50), $DEFAULTS_USERS in flight, 3 requests per user:
 #                                                         #   kv, kv-auto, text, text-stable, off; partial loads and load failures
 #   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
-#   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding
+#   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding,
+#                                                         #   over $STEP_REPLICAS (1 4 8 12) replicas on PostgreSQL + S3
 #   bash benchmarks/device_run.sh OUT stop                # stops every prepared server
 #
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
@@ -36,7 +37,7 @@
 # Issue 41's GPU evidence: prepare-cold + cold, prepare-cold-wait + cold-wait, prepare-defaults + defaults (a prepare
 # and its measurement fit one call where the prepare is not cut; run the same call again if it is: it resumes).
 # On the CPU (a check of the stages, not a result): BENCH_SHAPE=llama-tiny BENCH_MODEL=<tokenizer folder>
-# BENCH_DTYPE=float32 COLD_REQUESTS=2 DEFAULTS_USERS=2 ...
+# BENCH_DTYPE=float32 COLD_REQUESTS=2 DEFAULTS_USERS=2 STEP_REPLICAS="1 2" ...
 set -euo pipefail
 usage="usage: device_run.sh OUT_DIR prepare-latency|latency|long|prepare-throughput|throughput|varying|prepare-cold|cold|\
 prepare-cold-wait|cold-wait|prepare-defaults|defaults|failure [RUNS]|memory-step|stop"
@@ -165,10 +166,12 @@ case $stage in
     stop_all  # the scenario starts engines of its own
     python3 -m benchmarks.gpu_failure_path --output "$out/failure-path" --work "$root/failure" \
       ${3:+--runs $3} 2>&1 | grep --line-buffered "^run=\|^verdict" | tee "$out/failure-path.txt" ;;
-  memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV, the service's defaults
+  memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV; replicas on a real PostgreSQL and SeaweedFS
     stop_all
-    python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers 1 8 64 128 --duration-s 12 \
-      --embeds service caller --model .gpu/smollm2 --service-flags "--embedding-threads 8" \
+    python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers 64 128 --duration-s 12 \
+      --embeds caller service --replicas ${STEP_REPLICAS:-1 4 8 12} --shared-stores --client-processes 4 \
+      --model "${BENCH_MODEL:-.gpu/smollm2}" --shape "${BENCH_SHAPE:-llama3-8b}" \
+      --service-flags "--embedding-threads 2" \
       --output "$out/memory-step.json" 2>&1 | quiet | grep --line-buffered "^{\||" | tee "$out/memory-step.txt" ;;
   stop)
     stop_all ;;

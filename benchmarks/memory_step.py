@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +233,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1],
                         help="memory-service replicas the calls are spread over, round robin, one set of phases per "
                         "value (more than one: on a real PostgreSQL and SeaweedFS, as a Kubernetes deployment runs)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes the callers are spread over (a single client saturates first)")
     parser.add_argument("--shared-stores", action="store_true",
                         help="run on PostgreSQL and SeaweedFS even with one replica (the same stores as the others)")
     parser.add_argument("--duration-s", type=float, default=15.0)
@@ -312,8 +316,13 @@ async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAnd
             await closed_loop(stub, requests[embeds], 4, 3.0, args.k, args.fetch, seed=0)  # warm-up
             for callers in args.callers:
                 before = phase_counters(deployed)
-                phase = await closed_loop(stub, requests[embeds], callers, args.duration_s, args.k, args.fetch,
-                                          seed=callers)
+                if args.client_processes > 1:
+                    phase = await asyncio.to_thread(closed_loop_in_processes, deployed.address, requests[embeds],
+                                                    callers, args.duration_s, args.k, args.fetch, callers,
+                                                    args.client_processes)
+                else:
+                    phase = await closed_loop(stub, requests[embeds], callers, args.duration_s, args.k, args.fetch,
+                                              seed=callers)
                 after = phase_counters(deployed)
                 phase.embeds, phase.replicas = embeds, len(deployed.services)
                 phase.work = {name: after[name] - before[name] for name in before}
@@ -321,6 +330,41 @@ async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAnd
                 results["phases"].append(summary)
                 args.output.write_text(json.dumps(results, indent=2))
                 print(json.dumps(summary), flush=True)
+
+
+def closed_loop_in_processes(address: str, requests: list[pb.RetrieveAndStageRequest], callers: int,
+                             duration_s: float, k: int, fetch: bool, seed: int, processes: int) -> PhaseResult:
+    """`closed_loop` split over `processes` client processes (one Python process's gRPC client tops out below the
+    replicas it would measure), each with its own channel to `address`; their results merged."""
+    shares = [share for index in range(processes) if (share := callers // processes + (index < callers % processes))]
+    context = multiprocessing.get_context("spawn")  # not fork: this process runs gRPC's threads
+    with context.Manager() as manager, ProcessPoolExecutor(max_workers=len(shares), mp_context=context) as pool:
+        started = manager.Barrier(len(shares))  # every process connected before any calls: one window for all
+        parts = list(pool.map(_client_process, [(address, requests, share, duration_s, k, fetch, seed * 100 + index,
+                                                 started) for index, share in enumerate(shares)]))
+    merged = PhaseResult(callers)
+    for part in parts:
+        merged.calls += part.calls
+        merged.kept += part.kept
+        merged.lost += part.lost
+        merged.latencies_ms += part.latencies_ms
+        merged.fetch_latencies_ms += part.fetch_latencies_ms
+        merged.wall_s = max(merged.wall_s, part.wall_s)
+    return merged
+
+
+def _client_process(job: tuple[str, list[pb.RetrieveAndStageRequest], int, float, int, bool, int, Any]) -> PhaseResult:
+    address, requests, callers, duration_s, k, fetch, seed, started = job
+
+    async def run() -> PhaseResult:
+        options = [*REPLICA_OPTIONS, ("grpc.max_receive_message_length", 256 << 20)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            await stub.RetrieveAndStage(requests[0], timeout=60)  # connected (each replica's subchannel comes up)
+            await asyncio.to_thread(started.wait, 120)
+            return await closed_loop(stub, requests, callers, duration_s, k, fetch, seed)
+
+    return asyncio.run(run())
 
 
 def phase_counters(deployed: Replicas) -> dict[str, float]:
