@@ -7,6 +7,7 @@ lives. Thread-safe; every `transaction()` commits before it returns, or rolls ba
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import threading
 import zlib
@@ -42,6 +43,8 @@ class Database(ABC):
 
     # Other processes (service replicas) write the same database.
     shared: bool = False
+    # Which engine: the schema's engine-specific statements (triggers) are chosen by it.
+    dialect: str = ""
     # Appended to a SELECT whose rows the transaction is about to claim, so that concurrent transactions skip them.
     claim_clause: str = ""
     # User locks (`user_lock`) that may be held at once.
@@ -77,12 +80,16 @@ class Database(ABC):
 
 
 class SqliteDatabase(Database):
-    """One file, one process (the service holds it alone): writers are serialized by BEGIN IMMEDIATE."""
+    """One file, one process (the service holds it alone): writers are serialized by BEGIN IMMEDIATE. Statements may
+    call inferscale_sha256(text), the text's sha256 in hex (PostgreSQL's encode(sha256(...), 'hex'))."""
+
+    dialect = "sqlite"
 
     def __init__(self, path: Path) -> None:
         super().__init__()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.create_function("inferscale_sha256", 1, _sha256_hex, deterministic=True)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._lock = threading.RLock()
@@ -121,6 +128,7 @@ class PostgresDatabase(Database):
     per-user advisory locks."""
 
     shared = True
+    dialect = "postgresql"
     claim_clause = " FOR UPDATE SKIP LOCKED"
 
     def __init__(self, url: str, max_connections: int = 16) -> None:
@@ -177,6 +185,10 @@ class PostgresDatabase(Database):
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _CountingCursor:

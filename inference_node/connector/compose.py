@@ -132,8 +132,11 @@ def compose_into_cache(loads: Sequence[PagedLoad], cos: torch.Tensor, sin: torch
     first = caches.layers[0]
     slices, positions, slots = _checked_slots(loads, cos, caches.block_size, len(caches.layers))
     _, _, heads, head_dim = slices[0].keys.shape
-    if (first.shape[1], first.shape[3]) != (heads, 2 * head_dim):
-        raise ValueError(f"chunk KV [{heads} heads x {head_dim}] does not fit caches of shape {tuple(first.shape)}")
+    if (first.shape[1], first.shape[3]) != (heads, 2 * head_dim) or slices[0].keys.dtype != first.dtype:
+        raise ValueError(f"chunk KV [{heads} heads x {head_dim}] {slices[0].keys.dtype} does not fit caches of shape "
+                         f"{tuple(first.shape)} {first.dtype}")
+    if slots.min() < 0 or slots.max() >= first.shape[0] * caches.block_size:
+        raise ValueError(f"slots outside the caches' {first.shape[0]} blocks")
     cache_ptrs = torch.tensor([cache.data_ptr() for cache in caches.layers], dtype=torch.int64)
     tables = _index_tables(slices, first.device, torch.from_numpy(positions), cache_ptrs, torch.from_numpy(slots))
     _rope_gather_kernel[(len(positions), len(caches.layers))](

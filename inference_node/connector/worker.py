@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 FETCH_THREADS = 2
+# The most tokens the torch path composes at once (one step's loads are split into groups of at most this many).
+TOKENS_PER_COMPOSE = 8192
 
 
 class InferScaleWorker:
@@ -99,7 +101,7 @@ class InferScaleWorker:
             try:
                 started = self._timer.now()
                 layers = self._attention_layers(forward_context)
-                load = self._paged_load(spec, self._residency.resident(spec.chunks), len(layers))
+                load = self._paged_load(spec, self._residency.resident(spec.chunks), layers)
                 ready.append(_ReadyLoad(spec, load, (self._timer.now() - started) * 1000))
             except NotResident as exc:
                 self._stats.add("sync_misses")
@@ -108,7 +110,7 @@ class InferScaleWorker:
                 logger.exception("InferScale defect: the KV load of request %s raised", spec.request_id)
                 self._fail(spec, repr(exc))
         if ready:
-            self._write_step(ready, self._attention_layers(forward_context))
+            self._write_step(ready, layers)
         for prefetch in metadata.prefetches:
             self._start_prefetch(prefetch, forward_context)
 
@@ -245,29 +247,40 @@ class InferScaleWorker:
             self._layers = dict(sorted(layers.items()))
         return self._layers
 
-    def _paged_load(self, spec: LoadSpec, entries: list[CachedKv], num_layers: int) -> PagedLoad:
+    def _paged_load(self, spec: LoadSpec, entries: list[CachedKv], layers: dict[int, Any]) -> PagedLoad:
         """The load's span [start, end) of its chunks' KV, every slice bounds-checked against its entry (ChunkSlice)
-        and the whole against the request's blocks and the model's layers: ValueError, failing this load alone."""
+        and the whole against the request's blocks (inside the cache), the model's layers and length, and each
+        layer's heads and dtype: ValueError, failing this load alone, before any kernel reads or writes."""
+        num_layers, first = len(layers), next(iter(layers.values()))
+        cache_blocks = _layer_cache(first).shape[0]
         slices = []
         for chunk, entry in zip(spec.chunks, entries, strict=True):
             if entry.token_ids != chunk.token_ids:
                 raise ValueError(f"{chunk.key}: cached KV holds other token ids than the prompt's")
+            if (entry.keys.dtype != self._dtype or tuple(entry.keys.shape[2:]) != (first.num_kv_heads, first.head_size)
+                    or not (entry.keys.is_contiguous() and entry.values.is_contiguous())):
+                raise ValueError(f"{chunk.key}: cached KV {tuple(entry.keys.shape)} {entry.keys.dtype} does not fit "
+                                 f"the model's {first.num_kv_heads} x {first.head_size} {self._dtype} heads")
             lo, hi = max(spec.start, chunk.offset), min(spec.end, chunk.offset + len(chunk.token_ids))
             if lo < hi:
                 slices.append(ChunkSlice(entry.keys, entry.values, lo - chunk.offset, hi - chunk.offset))
         count = spec.end - spec.start
         if sum(s.end - s.begin for s in slices) != count or min(e.keys.shape[0] for e in entries) < num_layers:
             raise ValueError(f"KV of {len(entries)} chunks does not cover {count} tokens x {num_layers} layers")
-        if spec.end > min(len(spec.block_ids) * self.block_size, self._model_config.max_model_len):
-            raise ValueError(f"tokens [{spec.start}, {spec.end}) past the request's {len(spec.block_ids)} blocks or "
+        if not 0 <= spec.start < spec.end <= min(len(spec.block_ids) * self.block_size,
+                                                 self._model_config.max_model_len):
+            raise ValueError(f"tokens [{spec.start}, {spec.end}) outside the request's {len(spec.block_ids)} blocks or "
                              "the model's length")
+        used = spec.block_ids[spec.start // self.block_size : (spec.end - 1) // self.block_size + 1]
+        if any(not 0 <= block < cache_blocks for block in used):
+            raise ValueError(f"block ids {used} outside the cache's {cache_blocks} blocks")
         return PagedLoad(slices, spec.start, spec.block_ids)
 
     def _write_step(self, ready: list[_ReadyLoad], layers: dict[int, Any]) -> None:
         """Composes every ready load and writes them into their requests' blocks in one batch (engine thread only).
         A batch that raises fails each of its loads' requests (a defect: each load was checked)."""
-        write_started = self._timer.now()
         try:
+            write_started = self._timer.now()
             self._write(ready, layers)
         except Exception as exc:  # never into the engine: report the blocks; vLLM fails the requests
             logger.exception("InferScale defect: the KV write of %d loads raised", len(ready))
@@ -277,7 +290,10 @@ class InferScaleWorker:
         for load in ready:
             if self._counts_loads:
                 self._stats.add("tokens_loaded", load.spec.end - load.spec.start)
-            self._timer.record(load.spec, load.lookup_ms, write_started, len(ready))
+            try:
+                self._timer.record(load.spec, load.lookup_ms, write_started, len(ready))
+            except OSError:  # benchmarks only; the load itself is written
+                logger.exception("InferScale: the load record of request %s was not written", load.spec.request_id)
 
     def _write(self, ready: list[_ReadyLoad], layers: dict[int, Any]) -> None:
         device = _layer_cache(next(iter(layers.values()))).device
@@ -291,17 +307,32 @@ class InferScaleWorker:
             self._timer.mark("compose")
             self._timer.mark("write")
             return
-        keys, values, slots = compose_for_slots(loads, *self._rope, len(layers), self.block_size)
-        if device.type == "cuda":
-            slots = slots.pin_memory()
-        slots = slots.to(device, non_blocking=True)
-        self._timer.mark("compose")
-        for index, layer in layers.items():
-            expected = (len(slots), layer.num_kv_heads, layer.head_size)
-            if tuple(keys[index].shape) != expected:
-                raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
-            layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
+        for group in _groups_within(loads, TOKENS_PER_COMPOSE):
+            keys, values, slots = compose_for_slots(group, *self._rope, len(layers), self.block_size)
+            if device.type == "cuda":
+                slots = slots.pin_memory()
+            slots = slots.to(device, non_blocking=True)
+            self._timer.mark("compose")
+            for index, layer in layers.items():
+                expected = (len(slots), layer.num_kv_heads, layer.head_size)
+                if tuple(keys[index].shape) != expected:
+                    raise ValueError(f"layer {index}: KV shape {tuple(keys[index].shape)} != {expected}")
+                layer.impl.do_kv_cache_update(layer, keys[index], values[index], _layer_cache(layer), slots)
         self._timer.mark("write")
+
+
+def _groups_within(loads: list[PagedLoad], tokens: int) -> list[list[PagedLoad]]:
+    """The loads in order, in groups of at most `tokens` tokens (a longer load alone): the torch path's composed
+    copies of a group live at once, outside the memory vLLM profiled."""
+    groups: list[list[PagedLoad]] = []
+    size = tokens
+    for load in loads:
+        if size + load.count > tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(load)
+        size += load.count
+    return groups
 
 
 @dataclass(frozen=True)

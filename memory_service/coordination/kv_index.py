@@ -5,10 +5,11 @@ forgetting facts drops their jobs and audits, and quarantining an entry unlists 
 its fact again for other workers, each in one transaction.
 
 Every change of a user's entries also moves the user's KV generation (table `kv_generations`), in the same
-transaction. `serving_entries`, the lookup of every RetrieveAndStage, answers from this process's copy of the entries
-it looked up before, while the user's and the header's generations are the ones the copy was read at: one statement
-(both generations) instead of two lookups, and coherent across replicas, since a change made through any of them
-moves the generation before the next call reads it."""
+transaction: a trigger on `kv_entries` does it (memory_service.coordination.schema), so no writer can skip it, an
+older replica's or a hand-written statement included. `serving_entries`, the lookup of every RetrieveAndStage,
+answers from this process's copy of the entries it looked up before, while the user's and the header's generations
+are the ones the copy was read at: one statement (both generations) instead of two lookups, and coherent across
+replicas, since a change made through any of them moves the generation before the next call reads it."""
 
 from __future__ import annotations
 
@@ -16,17 +17,18 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, KvKey
 from memory_service.coordination.audits import KvAudits, QuarantinedBlob
 from memory_service.coordination.users import user_digest
 from memory_service.coordination.work_queue import KvWorkQueue, facts_condition
-from memory_service.sql import Database, Transaction
+from memory_service.sql import Database
 
-# Entries (and known absences) the serving copy keeps, over every user; the least recently used users go first.
-SERVING_COPY_ENTRIES = 200_000
+# What the serving copy keeps, over every user, counted as entries (known absences too) plus their token ids; the
+# least recently used users go first.
+SERVING_COPY_SIZE = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,16 @@ class _ServingCopy:
         self._size = 0
         self._lock = threading.Lock()
 
-    def known(self, owner: tuple[str, str], generation: int) -> dict[str, KvEntry | None]:
-        """A copy of what is known of the owner at `generation` (empty if the copy is of another generation)."""
+    def known(self, owner: tuple[str, str], generation: int,
+              fact_ids: Sequence[str]) -> dict[str, KvEntry | None]:
+        """What is known of `fact_ids` of the owner at `generation` (nothing if the copy is of another generation)."""
         with self._lock:
             cached = self._users.get(owner)
             if cached is None or cached[0] != generation:
                 return {}
             self._users.move_to_end(owner)
-            return dict(cached[1])
+            entries = cached[1]
+            return {fact: entries[fact] for fact in fact_ids if fact in entries}
 
     def learn(self, owner: tuple[str, str], generation: int, looked_up: dict[str, KvEntry | None]) -> None:
         """Adds what a lookup made after reading `generation` found."""
@@ -70,31 +74,27 @@ class _ServingCopy:
             cached = self._users.pop(owner, None)
             entries: dict[str, KvEntry | None] = {}
             if cached is not None:
-                self._size -= len(cached[1])
+                self._size -= _size(cached[1])
                 if cached[0] == generation:
                     entries = cached[1]
             entries.update(looked_up)
             self._users[owner] = (generation, entries)
-            self._size += len(entries)
+            self._size += _size(entries)
             while self._size > self.capacity and self._users:
-                self._size -= len(self._users.popitem(last=False)[1][1])
+                self._size -= _size(self._users.popitem(last=False)[1][1])
+
+
+def _size(entries: dict[str, KvEntry | None]) -> int:
+    return len(entries) + sum(len(entry.token_ids) for entry in entries.values() if entry is not None)
 
 
 class KvIndex:
     def __init__(self, database: Database, work_queue: KvWorkQueue, audits: KvAudits,
-                 serving_copy_entries: int = SERVING_COPY_ENTRIES) -> None:
+                 serving_copy_size: int = SERVING_COPY_SIZE) -> None:
         self._database = database
         self._work_queue = work_queue
         self._audits = audits
-        self._serving_copy = _ServingCopy(serving_copy_entries)
-
-    @staticmethod
-    def _moved(tx: Transaction, user_ids: Iterable[str]) -> None:
-        """Moves the KV generation of each user whose entries the transaction changes: the transaction's last
-        statement, so one that holds a generation's row takes no other lock after it (no deadlock cycle)."""
-        for user_id in sorted(set(user_ids)):  # one order in every transaction: no deadlock between two of them
-            tx.run("INSERT INTO kv_generations (user_digest, generation) VALUES (?, 1) ON CONFLICT (user_digest) "
-                   "DO UPDATE SET generation = kv_generations.generation + 1", (user_digest(user_id),))
+        self._serving_copy = _ServingCopy(serving_copy_size)
 
     def record_stored(self, key: KvKey, token_ids: Sequence[int], nbytes: int, lease_id: str | None,
                       producer: str = "", audit: bool = False) -> bool:
@@ -120,7 +120,6 @@ class KvIndex:
                 self._audits.schedule(tx, key, producer)
             else:
                 self._audits.unschedule(tx, key)
-            self._moved(tx, [key.user_id])
         return True
 
     def quarantine(self, key: KvKey, exclude: Sequence[str], kept: Sequence[QuarantinedBlob]) -> bool:
@@ -137,7 +136,6 @@ class KvIndex:
             self._audits.exclude(tx, key, exclude)
             if not key.is_header:
                 self._work_queue.requeue(tx, key)
-            self._moved(tx, [key.user_id])
         return True
 
     def entry(self, profile_id: str, user_id: str, fact_id: str) -> KvEntry | None:
@@ -178,7 +176,7 @@ class KvIndex:
         """fact_id -> entry or None for `fact_ids`, from the copy at `generation`, looking up what it lacks (read
         after the generation was: an entry the lookup sees is at least as new as the label)."""
         owner = (profile_id, user_id)
-        known = self._serving_copy.known(owner, generation)
+        known = self._serving_copy.known(owner, generation, fact_ids)
         lacking = [fact for fact in dict.fromkeys(fact_ids) if fact not in known]
         if lacking:
             found = self.entries(profile_id, user_id, lacking)
@@ -205,7 +203,6 @@ class KvIndex:
                           (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id)):
                 return False
             self._audits.unschedule(tx, key)
-            self._moved(tx, [key.user_id])
             return True
 
     def forget_facts(self, user_id: str, fact_ids: Sequence[str] | None) -> list[KvKey]:
@@ -217,11 +214,9 @@ class KvIndex:
             # the entries are then read afresh, the completion's included (entries first could miss it).
             self._work_queue.drop_jobs(tx, user_id, fact_ids)
             self._audits.drop_facts(tx, user_id, fact_ids)
-            dropped = [KvKey(*row) for row in tx.rows(
+            return [KvKey(*row) for row in tx.rows(
                 f"DELETE FROM kv_entries WHERE {condition} RETURNING profile_id, user_id, fact_id, version, content_id",
                 params)]
-            self._moved(tx, [user_id])
-            return dropped
 
     def kv_bytes_with_user_prefix(self, prefix: str) -> int:
         """Bytes of stored fact KV, over every profile, of the users whose id starts with `prefix`."""

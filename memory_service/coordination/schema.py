@@ -49,6 +49,25 @@ TABLES = (
 UPGRADES = {
     2: ("ALTER TABLE kv_entries ADD COLUMN producer TEXT NOT NULL DEFAULT ''",),
 }
+# Every change of a row of kv_entries moves its user's KV generation (kv_index.KvIndex.serving_entries), keyed by the
+# user id's sha256 (hex) as user_generations is: a trigger, so that no writer skips it.
+_MOVE_GENERATION = ("INSERT INTO kv_generations (user_digest, generation) VALUES ({digest}, 1) "
+                    "ON CONFLICT (user_digest) DO UPDATE SET generation = kv_generations.generation + 1")
+TRIGGERS = {
+    "sqlite": tuple(
+        f"CREATE TRIGGER IF NOT EXISTS kv_entries_{event.lower()}_moves_generation AFTER {event} ON kv_entries "
+        f"BEGIN {_MOVE_GENERATION.format(digest=f'inferscale_sha256({row}.user_id)')}; END"
+        for event, row in (("INSERT", "NEW"), ("UPDATE", "NEW"), ("DELETE", "OLD"))),
+    "postgresql": (
+        "CREATE OR REPLACE FUNCTION kv_entries_move_generation() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        + _MOVE_GENERATION.format(
+            digest="encode(sha256(convert_to(CASE WHEN TG_OP = 'DELETE' THEN OLD.user_id ELSE NEW.user_id END, "
+                   "'UTF8')), 'hex')")
+        + "; RETURN NULL; END $$",
+        "CREATE OR REPLACE TRIGGER kv_entries_moves_generation AFTER INSERT OR UPDATE OR DELETE ON kv_entries "
+        "FOR EACH ROW EXECUTE FUNCTION kv_entries_move_generation()",  # PostgreSQL 14 or later
+    ),
+}
 
 
 def create_schema(database: Database) -> None:
@@ -57,10 +76,15 @@ def create_schema(database: Database) -> None:
     A replica of an older release cannot write a database upgraded past it: stop those before starting this one."""
     with database.migration() as tx:
         recorded = database.schema_version(tx)
+        if recorded > SCHEMA_VERSION:
+            raise RuntimeError(f"the coordination database has schema version {recorded}, newer than this release's "
+                               f"{SCHEMA_VERSION}: run the release that upgraded it")
         for statement in TABLES:
             tx.run(statement)
         for version, statements in sorted(UPGRADES.items()):
             if recorded < version:
                 for statement in statements:
                     tx.run(statement)
+        for statement in TRIGGERS[database.dialect]:
+            tx.run(statement)
         database.set_schema_version(tx, SCHEMA_VERSION)

@@ -356,16 +356,18 @@ def test_a_load_of_no_chunks_fails_its_blocks(layers) -> None:
 
 def test_the_loads_of_a_step_are_written_together_with_the_bytes_each_gets_alone_and_one_failing_fails_alone(
         layers) -> None:
-    """Three loads admitted in one step (a whole one, one starting inside a chunk after a prefix-cache hit, one whose
-    chunks are not resident): one cache update per layer for the two that can load, each token in the slot and with
-    the bytes a load written alone puts there; the third fails its own blocks only."""
+    """Four loads admitted in one step (a whole one, one starting inside a chunk after a prefix-cache hit, one whose
+    chunks are not resident, one naming a block outside the cache): one cache update per layer for the two that can
+    load, each token in the slot and with the bytes a load written alone puts there; the others fail their own
+    blocks only."""
     worker = _worker(_settings(synthetic_kv=True))
     _prefetch(worker, layers)
     missing = (ChunkLoad(KvKey("p", "u2", "g", 1, "c" * 32), (20, 21), 3),)
     together = [LoadSpec("whole", "u1", CHUNKS, 0, 7, (5, 6)), LoadSpec("tail", "u1", CHUNKS, 3, 7, (1, 2)),
-                LoadSpec("absent", "u2", (CHUNKS[0], *missing), 0, 5, (3, 4))]
+                LoadSpec("absent", "u2", (CHUNKS[0], *missing), 0, 5, (3, 4)),
+                LoadSpec("outside", "u1", CHUNKS, 0, 7, (99, 15))]  # a block past the cache's 16
     worker.start_load_kv(InferScaleConnectorMetadata(loads=together), _forward_context(layers))
-    assert worker.take_failed_blocks() == {3, 4}
+    assert worker.take_failed_blocks() == {3, 4, 99, 15}
     assert all(layer.written == [(20, 21, 22, 23, 24, 25, 26, 7, 8, 9, 10)] for layer in layers.values())
     for alone in (LoadSpec("whole", "u1", CHUNKS, 0, 7, (9, 10)), LoadSpec("tail", "u1", CHUNKS, 3, 7, (11, 12))):
         worker.start_load_kv(InferScaleConnectorMetadata(loads=[alone]), _forward_context(layers))
@@ -374,7 +376,7 @@ def test_the_loads_of_a_step_are_written_together_with_the_bytes_each_gets_alone
         cache = layer.kv_cache
         assert _same(cache[5:7], cache[9:11])  # positions 0..6 (position 7 never written: NaN in both)
         assert _same(cache[1, :, 3], cache[11, :, 3]) and _same(cache[2, :, :3], cache[12, :, :3])
-        assert cache[1, :, :3].isnan().all() and cache[3:5].isnan().all()  # nothing outside the loads' slots
+        assert cache[1, :, :3].isnan().all() and cache[3:5].isnan().all() and cache[15].isnan().all()
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:

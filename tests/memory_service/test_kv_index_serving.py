@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from harness.servers import postgres_server
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, KvKey
 from memory_service.coordination import Coordination
 from memory_service.coordination.audits import QuarantinedBlob
 from memory_service.coordination.kv_index import KvIndex
-from memory_service.sql import PostgresDatabase, SqliteDatabase
+from memory_service.coordination.schema import SCHEMA_VERSION
+from memory_service.sql import Database, PostgresDatabase, SqliteDatabase
 
 PROFILE, USER, OTHER = "p", "ana", "bob"
 
@@ -65,10 +68,27 @@ def _every_change_is_seen(writer: KvIndex, reader: KvIndex, statements: Callable
     assert _served(reader, OTHER, ("f1",))[1] == "i" * 32
 
 
+def _written_by_hand(database: Database) -> Callable[[str, tuple], None]:
+    """Statements on kv_entries that no KvIndex method made (an older replica's, an operator's)."""
+    def run(sql: str, params: tuple) -> None:
+        with database.transaction() as tx:
+            tx.run(sql, params)
+    return run
+
+
+def _hand_writes_are_seen(write: Callable[[str, tuple], None], reader: KvIndex) -> None:
+    assert _served(reader, OTHER, ("f1",))[0] == {"f1": (1, "b" * 32)}
+    write("UPDATE kv_entries SET content_id = ? WHERE user_id = ?", ("d" * 32, OTHER))
+    assert _served(reader, OTHER, ("f1",))[0] == {"f1": (1, "d" * 32)}
+    write("DELETE FROM kv_entries WHERE user_id = ?", (OTHER,))
+    assert _served(reader, OTHER, ("f1",))[0] == {}
+
+
 def test_a_lookup_is_one_statement_until_a_change_which_the_next_lookup_sees(tmp_path) -> None:
     database = SqliteDatabase(tmp_path / "index.sqlite")
     coordination = Coordination.open(database)
     _every_change_is_seen(coordination.kv_index, coordination.kv_index, lambda: database.round_trips)
+    _hand_writes_are_seen(_written_by_hand(database), coordination.kv_index)
     database.close()
 
 
@@ -76,6 +96,7 @@ def test_a_change_through_one_replica_is_seen_by_the_next_lookup_on_another(tmp_
     with postgres_server(tmp_path / "postgres") as url:
         writer, reader = (Coordination.open(PostgresDatabase(url)) for _ in range(2))
         _every_change_is_seen(writer.kv_index, reader.kv_index, lambda: reader.database.round_trips)
+        _hand_writes_are_seen(_written_by_hand(writer.database), reader.kv_index)
         for coordination in (writer, reader):
             coordination.database.close()
 
@@ -83,7 +104,8 @@ def test_a_change_through_one_replica_is_seen_by_the_next_lookup_on_another(tmp_
 def test_the_copy_keeps_at_most_its_capacity(tmp_path) -> None:
     database = SqliteDatabase(tmp_path / "index.sqlite")
     coordination = Coordination.open(database)
-    index = KvIndex(database, coordination.work_queue, coordination.audits, serving_copy_entries=3)
+    # Each user: its entry (1) and its token (1); the header, absent: 1. Three users and the header do not fit 6.
+    index = KvIndex(database, coordination.work_queue, coordination.audits, serving_copy_size=6)
     for user in ("u1", "u2", "u3"):
         index.record_stored(_key(user, "f1"), [1], 10, None, "w")
         _served(index, user, ("f1",))
@@ -92,4 +114,16 @@ def test_the_copy_keeps_at_most_its_capacity(tmp_path) -> None:
     assert database.round_trips - before == 1  # still held (u3: 1 fact; the header: 1)
     _served(index, "u1", ("f1",))
     assert database.round_trips - before == 1 + 2  # u1 went: looked up again
+    database.close()
+
+
+def test_a_database_of_a_newer_schema_is_refused(tmp_path) -> None:
+    """A replica of this release never writes a database a later release upgraded (its writes could skip what the
+    later release relies on)."""
+    database = SqliteDatabase(tmp_path / "index.sqlite")
+    Coordination.open(database)
+    with database.transaction() as tx:
+        database.set_schema_version(tx, SCHEMA_VERSION + 1)
+    with pytest.raises(RuntimeError, match="newer than this release"):
+        Coordination.open(database)
     database.close()
