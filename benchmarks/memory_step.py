@@ -47,6 +47,7 @@ from benchmarks.synthetic import synthetic_facts, synthetic_queries
 from demo.smollm2 import build_smollm2
 from harness.memory_service import MemoryServiceProcess
 from harness.servers import Replicas, memory_service_replicas
+from inference_node.retrieval import RetrievalBatcher
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import REPLICA_OPTIONS
@@ -235,6 +236,9 @@ def main() -> None:
                         "value (more than one: on a real PostgreSQL and SeaweedFS, as a Kubernetes deployment runs)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes the callers are spread over (a single client saturates first)")
+    parser.add_argument("--node-batching", action="store_true",
+                        help="send the calls as a node does: those made while its batches are under way go together "
+                        "in RetrieveAndStageBatch")
     parser.add_argument("--shared-stores", action="store_true",
                         help="run on PostgreSQL and SeaweedFS even with one replica (the same stores as the others)")
     parser.add_argument("--duration-s", type=float, default=15.0)
@@ -311,7 +315,7 @@ async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAnd
                 warm = next(request for request in requests[args.embeds[0]] if request.user_id == user)
                 await stub.RetrieveAndStage(warm, timeout=60)
     async with grpc.aio.insecure_channel(deployed.address, options=options) as channel:
-        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        stub = caller_stub(channel, args.node_batching)
         for embeds in args.embeds:
             await closed_loop(stub, requests[embeds], 4, 3.0, args.k, args.fetch, seed=0)  # warm-up
             for callers in args.callers:
@@ -319,7 +323,7 @@ async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAnd
                 if args.client_processes > 1:
                     phase = await asyncio.to_thread(closed_loop_in_processes, deployed.address, requests[embeds],
                                                     callers, args.duration_s, args.k, args.fetch, callers,
-                                                    args.client_processes)
+                                                    args.client_processes, args.node_batching)
                 else:
                     phase = await closed_loop(stub, requests[embeds], callers, args.duration_s, args.k, args.fetch,
                                               seed=callers)
@@ -333,7 +337,8 @@ async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAnd
 
 
 def closed_loop_in_processes(address: str, requests: list[pb.RetrieveAndStageRequest], callers: int,
-                             duration_s: float, k: int, fetch: bool, seed: int, processes: int) -> PhaseResult:
+                             duration_s: float, k: int, fetch: bool, seed: int, processes: int,
+                             node_batching: bool) -> PhaseResult:
     """`closed_loop` split over `processes` client processes (one Python process's gRPC client tops out below the
     replicas it would measure), each with its own channel to `address`; their results merged."""
     shares = [share for index in range(processes) if (share := callers // processes + (index < callers % processes))]
@@ -341,7 +346,7 @@ def closed_loop_in_processes(address: str, requests: list[pb.RetrieveAndStageReq
     with context.Manager() as manager, ProcessPoolExecutor(max_workers=len(shares), mp_context=context) as pool:
         started = manager.Barrier(len(shares))  # every process connected before any calls: one window for all
         parts = list(pool.map(_client_process, [(address, requests, share, duration_s, k, fetch, seed * 100 + index,
-                                                 started) for index, share in enumerate(shares)]))
+                                                 started, node_batching) for index, share in enumerate(shares)]))
     merged = PhaseResult(callers)
     for part in parts:
         merged.calls += part.calls
@@ -353,18 +358,41 @@ def closed_loop_in_processes(address: str, requests: list[pb.RetrieveAndStageReq
     return merged
 
 
-def _client_process(job: tuple[str, list[pb.RetrieveAndStageRequest], int, float, int, bool, int, Any]) -> PhaseResult:
-    address, requests, callers, duration_s, k, fetch, seed, started = job
+def _client_process(job: tuple[str, list[pb.RetrieveAndStageRequest], int, float, int, bool, int, Any, bool]
+                    ) -> PhaseResult:
+    address, requests, callers, duration_s, k, fetch, seed, started, node_batching = job
 
     async def run() -> PhaseResult:
         options = [*REPLICA_OPTIONS, ("grpc.max_receive_message_length", 256 << 20)]
         async with grpc.aio.insecure_channel(address, options=options) as channel:
-            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            stub = caller_stub(channel, node_batching)
             await stub.RetrieveAndStage(requests[0], timeout=60)  # connected (each replica's subchannel comes up)
             await asyncio.to_thread(started.wait, 120)
             return await closed_loop(stub, requests, callers, duration_s, k, fetch, seed)
 
     return asyncio.run(run())
+
+
+class _NodeBatched:
+    """A stub whose RetrieveAndStage goes through a node's RetrievalBatcher (--node-batching): calls made while its
+    batches are under way share RetrieveAndStageBatch RPCs."""
+
+    def __init__(self, stub: memory_pb2_grpc.MemoryServiceStub) -> None:
+        self._stub = stub
+        self._batcher = RetrievalBatcher(stub, (), 60.0)
+
+    async def RetrieveAndStage(self, request: pb.RetrieveAndStageRequest, timeout: float
+                               ) -> pb.RetrieveAndStageResponse:
+        return await self._batcher.call(request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+
+def caller_stub(channel: grpc.aio.Channel, node_batching: bool) -> Any:
+    """The callers' stub: the service's own, or one batching as a node does."""
+    stub = memory_pb2_grpc.MemoryServiceStub(channel)
+    return _NodeBatched(stub) if node_batching else stub
 
 
 def phase_counters(deployed: Replicas) -> dict[str, float]:

@@ -65,6 +65,7 @@ def retrieved(tokenizer, k: int, clauses: int) -> pb.RetrieveAndStageResponse:
 def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageResponse):
     from inference_node.middleware import MemoryMiddleware
     from inference_node.placement import PromptParts
+    from inference_node.retrieval import RetrievalBatcher
 
     async def app(scope, receive, send) -> None:
         message = await receive()
@@ -77,7 +78,7 @@ def _middleware(model_dir: Path, tokenizer, response: pb.RetrieveAndStageRespons
     middleware = MemoryMiddleware(app)
     # What its first request would load, with the memory service's stand-in in place of the channel.
     middleware._placement._parts = PromptParts.for_tokenizer(tokenizer)
-    middleware._retriever._stub = _Service(response)
+    middleware._retriever._batcher = RetrievalBatcher(_Service(response), (), settings.retrieve_timeout_s)
     return middleware, app
 
 

@@ -4,6 +4,9 @@ On a kv request of a user not warmed up lately it asks for --warm-facts more fac
 come back apart (`Retrieved.warm_up`) for the connector to fetch into the host tier; the request's memory is its own
 top_k alone.
 
+Calls that arrive while RETRIEVE_BATCHES_IN_FLIGHT calls are under way go together in the next RetrieveAndStageBatch
+(`RetrievalBatcher`): one RPC for the queries that arrived together, each answered with its own status as alone.
+
 The memory service refusing a value the request gave (INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming `user_id`,
 `top_k`, `retrieval` or `query`) is the client's to fix: a RequestRefused naming the request's own field, with the
 service's message. Any other failure (unreachable, past the deadline, the node's own configuration refused) is the
@@ -12,6 +15,7 @@ one case a memory request is answered without its memory: Dropped, with its reas
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +31,7 @@ from inference_node.settings import WARM_UP_EVERY_S, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
-from inferscale_kv.limits import HYBRID_CANDIDATES
+from inferscale_kv.limits import HYBRID_CANDIDATES, MAX_RETRIEVE_BATCH
 
 DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
 DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
@@ -42,6 +46,12 @@ _DROP_REASON_OF_CODE = {grpc.StatusCode.DEADLINE_EXCEEDED: DROP_DEADLINE, grpc.S
 # query embedding) is the node's configuration disagreeing with the service: the memory is dropped (reason error).
 _REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _REQUEST_FIELD_OF = {"user_id": "memory.user_id", "top_k": "memory.top_k", "retrieval": "memory.retrieval"}
+RETRIEVE_BATCH_CALLS = Histogram("inferscale_node_retrieve_batch_calls", "RetrieveAndStage calls per RPC sent to the "
+                                 "memory service (1: sent alone)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+# Calls (batches) to the memory service a node keeps under way; a call that arrives while this many are waits for
+# one to end and goes with the others waiting then, in one RetrieveAndStageBatch.
+RETRIEVE_BATCHES_IN_FLIGHT = 4
+_STATUS_OF_CODE = {code.value[0]: code for code in grpc.StatusCode}
 STAGE_SECONDS = Histogram("inferscale_node_stage_seconds", "RetrieveAndStage latency seen by the node",
                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 
@@ -90,6 +100,89 @@ class Dropped:
                 "injectable_tokens": 0}
 
 
+class RetrievalBatcher:
+    """The node's RetrieveAndStage calls, sent alone while fewer than `in_flight` are under way, else together: the
+    calls waiting when one ends go in one RetrieveAndStageBatch (at most MAX_RETRIEVE_BATCH), each answered or
+    failed (a grpc.aio.AioRpcError of its own status) as alone. Each call keeps its own deadline: a batch's is its
+    earliest. A memory service without the batch method (UNIMPLEMENTED) gets single calls from then on. Use from one
+    event loop."""
+
+    def __init__(self, stub: memory_pb2_grpc.MemoryServiceStub, metadata: tuple[tuple[str, str], ...],
+                 timeout_s: float, in_flight: int = RETRIEVE_BATCHES_IN_FLIGHT) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._timeout_s = timeout_s
+        self._in_flight = in_flight
+        self._running: set[asyncio.Task[None]] = set()
+        self._waiting: list[tuple[pb.RetrieveAndStageRequest, float, asyncio.Future[pb.RetrieveAndStageResponse]]] = []
+        self._batches = True
+
+    async def call(self, request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[pb.RetrieveAndStageResponse] = loop.create_future()
+        self._waiting.append((request, loop.time() + self._timeout_s, future))
+        self._send_waiting()
+        return await future
+
+    def _send_waiting(self) -> None:
+        while self._waiting and len(self._running) < self._in_flight:
+            batch = self._waiting[:MAX_RETRIEVE_BATCH] if self._batches else self._waiting[:1]
+            del self._waiting[: len(batch)]
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._running.add(task)
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._send_waiting()
+
+    async def _send(self, batch: list[tuple[pb.RetrieveAndStageRequest, float,
+                                            asyncio.Future[pb.RetrieveAndStageResponse]]]) -> None:
+        live = [(request, deadline, future) for request, deadline, future in batch if not future.done()]
+        if not live:
+            return
+        timeout = max(0.0, min(deadline for _, deadline, _ in live) - asyncio.get_running_loop().time())
+        RETRIEVE_BATCH_CALLS.observe(len(live))
+        try:
+            if len(live) == 1:
+                results: list[pb.RetrieveAndStageResponse | grpc.aio.AioRpcError] = [
+                    await self._stub.RetrieveAndStage(live[0][0], timeout=timeout, metadata=self._metadata)]
+            else:
+                answer = await self._stub.RetrieveAndStageBatch(
+                    pb.RetrieveAndStageBatchRequest(calls=[request for request, _, _ in live]), timeout=timeout,
+                    metadata=self._metadata)
+                results = [_result(result) for result in answer.results]
+                if len(results) != len(live):
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               f"{len(results)} results for {len(live)} calls")
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED and len(live) > 1:
+                self._batches = False  # a memory service of an earlier release: one call each, from now on
+                self._waiting[:0] = live
+                return
+            results = [error] * len(live)
+        except Exception as error:  # never leave a caller waiting
+            for _, _, future in live:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for (_, _, future), result in zip(live, results, strict=True):
+            if future.done():  # its request went away meanwhile
+                continue
+            if isinstance(result, grpc.aio.AioRpcError):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+def _result(result: pb.RetrieveAndStageResult) -> pb.RetrieveAndStageResponse | grpc.aio.AioRpcError:
+    """A batch's result as the call alone would have ended: its response, or its status as an AioRpcError."""
+    if result.code == grpc.StatusCode.OK.value[0]:
+        return result.response
+    return grpc.aio.AioRpcError(_STATUS_OF_CODE.get(result.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), result.message)
+
+
 class MemoryRetriever:
     """The node's side of RetrieveAndStage: its KV profile, its id and credential, and the channel to the memory
     service (opened on first use)."""
@@ -98,21 +191,20 @@ class MemoryRetriever:
         self.settings = settings
         self._profile = pb.KvProfile(**settings.profile)
         self._query_embedder = LocalQueryEmbedder(settings.embedding_model) if settings.embed_queries_locally else None
-        self._stub: memory_pb2_grpc.MemoryServiceStub | None = None
-        self._call_metadata: tuple[tuple[str, str], ...] = ()
+        self._batcher: RetrievalBatcher | None = None
         self._warm_ups = WarmUps()
 
-    def _connected(self) -> memory_pb2_grpc.MemoryServiceStub:
-        if self._stub is None:
+    def _connected(self) -> RetrievalBatcher:
+        if self._batcher is None:
             channel = memory_service_aio_channel(self.settings.memory_service, NODE)
-            self._stub = memory_pb2_grpc.MemoryServiceStub(channel)
-            self._call_metadata = bearer_metadata(NODE)
-        return self._stub
+            self._batcher = RetrievalBatcher(memory_pb2_grpc.MemoryServiceStub(channel), bearer_metadata(NODE),
+                                             self.settings.retrieve_timeout_s)
+        return self._batcher
 
     async def retrieve(self, memory: MemoryRequest, query: str, path: str) -> Retrieved | Dropped:
         """The user's facts for `query` (a dropped memory counted by its reason); RequestRefused where the memory
         service refused a value the request on `path` gave."""
-        stub = self._connected()
+        batcher = self._connected()
         started = time.perf_counter()
         warm_facts = self._warm_facts(memory)
         request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k + warm_facts,
@@ -125,13 +217,13 @@ class MemoryRetriever:
             request.embedding_model_id = model_id
         try:
             try:
-                response = await self._call(stub, request)
+                response = await batcher.call(request)
             except grpc.aio.AioRpcError as exc:
                 if not (warm_facts and exc.code() in _REFUSAL_CODES and leading_field(exc.details() or "") == "top_k"):
                     raise
                 # The service's --max-top-k is below the request's top_k and the warm-up: the request's own.
                 request.top_k, warm_facts = memory.top_k, 0
-                response = await self._call(stub, request)
+                response = await batcher.call(request)
         except grpc.aio.AioRpcError as exc:
             refused = _refused_by_service(exc, path)
             if refused is not None:
@@ -154,11 +246,6 @@ class MemoryRetriever:
         if memory.mode != "kv" or not self.settings.warm_facts or not self._warm_ups.due(memory.user_id):
             return 0
         return max(0, min(self.settings.warm_facts, HYBRID_CANDIDATES - memory.top_k))
-
-    async def _call(self, stub: memory_pb2_grpc.MemoryServiceStub,
-                    request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
-        return await stub.RetrieveAndStage(request, timeout=self.settings.retrieve_timeout_s,
-                                           metadata=self._call_metadata)
 
 
 def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefused | None:

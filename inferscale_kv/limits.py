@@ -12,3 +12,6 @@ MAX_MEMORY_TOP_K = 200
 # Hybrid retrieval fuses at least this many of each ranking's best facts (more only for a larger top_k): a node asking
 # for a warm-up beyond a request's top_k stays within it, so that the request's own facts rank as they would alone.
 HYBRID_CANDIDATES = 100
+
+# The most RetrieveAndStage calls one RetrieveAndStageBatch carries (a node's micro-batch of concurrent queries).
+MAX_RETRIEVE_BATCH = 256

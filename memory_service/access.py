@@ -44,7 +44,7 @@ from memory_service.errors import InvalidArgument, PermissionDenied, Unauthentic
 ROLE_METHODS: dict[str, frozenset[str]] = {
     "app": frozenset({"IngestTurns", "IngestFacts", "SearchFacts", "ListFacts", "DeleteFacts", "DeleteUser",
                       "GetStats"}),
-    "node": frozenset({"RetrieveAndStage", "FetchKv", "AnnounceProfile"}),
+    "node": frozenset({"RetrieveAndStage", "RetrieveAndStageBatch", "FetchKv", "AnnounceProfile"}),
     "worker": frozenset({"AnnounceProfile", "LeaseKvWork", "CompleteKvWork", "GetStats"}),
 }
 # The roles whose credentials may upload KV; without access control, the role a request declares must be one of them.

@@ -4,6 +4,7 @@ its result to the response; the `rpc` wrapper (memory_service.rpc) does the rest
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from concurrent.futures import Executor
 
@@ -13,13 +14,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.kv_key import KvKey
+from inferscale_kv.limits import MAX_RETRIEVE_BATCH
 from memory_service.access import CALLER, AccessControl
 from memory_service.blocking import run_blocking
 from memory_service.builder import ServiceBuilder
 from memory_service.config import Limits
 from memory_service.coordination.work_queue import Job
 from memory_service.coordination.workers import WorkerDevice
-from memory_service.errors import InvalidArgument
+from memory_service.errors import InvalidArgument, MemoryServiceError, status_code_for
 from memory_service.kv_pipeline import LeaseRequest
 from memory_service.metrics import ServiceMetrics
 from memory_service.models import Announcer, IngestOutcome, Query, RetrievalMode, StoredFact
@@ -238,6 +240,26 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     @rpc
     async def RetrieveAndStage(self, request: pb.RetrieveAndStageRequest, context) -> pb.RetrieveAndStageResponse:
+        return await self._retrieve_and_stage(request)
+
+    @rpc
+    async def RetrieveAndStageBatch(self, request: pb.RetrieveAndStageBatchRequest,
+                                    context) -> pb.RetrieveAndStageBatchResponse:
+        if not 0 < len(request.calls) <= MAX_RETRIEVE_BATCH:
+            raise InvalidArgument("calls", f"must hold 1 to {MAX_RETRIEVE_BATCH} calls, not {len(request.calls)}")
+        results = await asyncio.gather(*(self._retrieve_one(call) for call in request.calls))
+        return pb.RetrieveAndStageBatchResponse(results=results)
+
+    async def _retrieve_one(self, call: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResult:
+        """One call of a batch, authorized for this caller and answered as RetrieveAndStage alone (its own status)."""
+        try:
+            CALLER.get().authorize("RetrieveAndStage", call)
+            return pb.RetrieveAndStageResult(code=grpc.StatusCode.OK.value[0],
+                                             response=await self._retrieve_and_stage(call))
+        except MemoryServiceError as error:
+            return pb.RetrieveAndStageResult(code=status_code_for(error).value[0], message=str(error))
+
+    async def _retrieve_and_stage(self, request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
         user_id = validate_id(request.user_id, "user_id")
         top_k = resolve_top_k(request.top_k, self._limits)
         profile = validate_announced_profile(request.profile)

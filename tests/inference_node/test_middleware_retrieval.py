@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from inference_node.middleware import MemoryMiddleware
-from inference_node.retrieval import DROP_DEADLINE, DROP_ERROR, DROP_REASONS, DROP_UNAVAILABLE
+from inference_node.retrieval import DROP_DEADLINE, DROP_ERROR, DROP_REASONS, DROP_UNAVAILABLE, RetrievalBatcher
 from inference_node.settings import SETTINGS_ENV, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids
@@ -146,6 +146,13 @@ class RefusingStub:
         raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=self.details)
 
 
+def _refusing(served: Served, code: grpc.StatusCode, details: str) -> RefusingStub:
+    """Puts a RefusingStub in place of the middleware's memory service."""
+    stub = RefusingStub(code, details)
+    served.middleware._retriever._batcher = RetrievalBatcher(stub, (), 5.0)  # type: ignore[arg-type]
+    return stub
+
+
 def test_a_node_that_cannot_load_its_tokenizer_answers_500_and_asks_the_memory_service_nothing(
         served, monkeypatch) -> None:
     """Regression (issue 40 review): with the middleware split, the tokenizer was loaded after RetrieveAndStage, so a
@@ -156,7 +163,7 @@ def test_a_node_that_cannot_load_its_tokenizer_answers_500_and_asks_the_memory_s
                                                          model_dir="/nonexistent").to_json())
     app = RecordingApp()
     broken = Served(MemoryMiddleware(app), middleware.loop)
-    service = broken.middleware._retriever._stub = RefusingStub(grpc.StatusCode.UNAVAILABLE, "no replica answered")
+    service = _refusing(broken, grpc.StatusCode.UNAVAILABLE, "no replica answered")
     status, answer, summary = _chat(broken, {})
     assert status == 500 and "request id" in answer["error"]["message"] and not summary
     assert service.calls == 0 and app.bodies == []
@@ -171,7 +178,7 @@ def test_a_node_that_cannot_load_its_tokenizer_answers_500_and_asks_the_memory_s
 def test_a_value_of_the_request_the_memory_service_refuses_is_a_400_naming_the_requests_field(
         served, code, details, field) -> None:
     middleware, app = served
-    middleware.middleware._retriever._stub = RefusingStub(code, details)
+    _refusing(middleware, code, details)
     dropped = _dropped()
     status, answer, summary = _chat(middleware, {})
     assert status == 400 and not summary and app.bodies == []
@@ -191,7 +198,7 @@ def test_a_value_of_the_request_the_memory_service_refuses_is_a_400_naming_the_r
 def test_a_failure_that_is_not_the_requests_answers_without_memory_and_says_so(served, code, details,
                                                                                 reason) -> None:
     middleware, app = served
-    middleware.middleware._retriever._stub = RefusingStub(code, details)
+    _refusing(middleware, code, details)
     dropped = _dropped()
     status, _, summary = _chat(middleware, {})
     assert status == 200 and len(app.bodies) == 1

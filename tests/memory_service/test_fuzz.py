@@ -135,6 +135,9 @@ REQUESTS = {
     "GetStats": st.builds(pb.GetStatsRequest, user_id=user_ids),
     "RetrieveAndStage": st.builds(pb.RetrieveAndStageRequest, user_id=user_ids, query=any_text, top_k=any_int32,
                                   profile=profiles, node_id=any_id),
+    "RetrieveAndStageBatch": st.builds(pb.RetrieveAndStageBatchRequest, calls=st.lists(
+        st.builds(pb.RetrieveAndStageRequest, user_id=user_ids, query=any_text, top_k=any_int32, profile=profiles,
+                  node_id=any_id), max_size=3)),
     "AnnounceProfile": st.builds(pb.AnnounceProfileRequest, profile=profiles, role=st.integers(0, 5),
                                  announcer_id=any_id, header_kv=header_blobs | st.just(b"")),
     "LeaseKvWork": st.builds(pb.LeaseKvWorkRequest, worker_id=any_id, profile_id=profile_ids, max_facts=any_int32,
@@ -195,6 +198,9 @@ def _leaks(method: str, request, response) -> list[str]:
         owners = [fact.user_id for fact in facts]
     elif method == "RetrieveAndStage":
         texts = [fact.text for fact in response.facts]
+    elif method == "RetrieveAndStageBatch":
+        return [leak for call, result in zip(request.calls, response.results, strict=True) if result.code == 0
+                for leak in _leaks("RetrieveAndStage", call, result.response)]
     elif method == "FetchKv":
         owners = [read_kv_header(reply.blob).user_id for reply in response if reply.blob]
         owners = [owner for owner in owners if owner != HEADER_OWNER]

@@ -29,7 +29,8 @@ def test_list_shows_the_memory_health_and_reflection_services(memory_service) ->
 
 def test_describe_shows_every_rpc(memory_service) -> None:
     described = _grpcurl(memory_service, "describe", "inferscale.v1.MemoryService")
-    for method in ("IngestTurns", "IngestFacts", "SearchFacts", "RetrieveAndStage", "ListFacts", "DeleteFacts",
+    for method in ("IngestTurns", "IngestFacts", "SearchFacts", "RetrieveAndStage", "RetrieveAndStageBatch",
+                   "ListFacts", "DeleteFacts",
                    "DeleteUser", "GetStats"):
         assert f"rpc {method} " in described
 

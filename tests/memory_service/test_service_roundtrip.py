@@ -155,6 +155,43 @@ def test_concurrent_ingests_of_the_same_facts_create_no_duplicates(stub) -> None
     assert len(_all_fact_ids(stub, user("rt-concurrent"))) == 20
 
 
+def _stage_profile() -> pb.KvProfile:
+    profile = pb.KvProfile(model="smollm2-135m", model_hash="m", kv_dtype="float32", tokenizer_hash="t",
+                           header_hash="h", recipe="chunked-rope-cwe", recipe_version=1, context_window=0)
+    profile.profile_id = kv_profile_id(profile)
+    return profile
+
+
+def test_a_batch_answers_each_call_as_it_would_alone_in_order(stub) -> None:
+    """RetrieveAndStageBatch: each call's own answer or refusal (naming its field), in the calls' order; a batch of
+    no calls or of too many is refused whole."""
+    profile = _stage_profile()
+    for name in ("rt-batch-a", "rt-batch-b"):
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=user(name), facts=[
+            pb.FactInput(fact_id="marker", text=f"{name} keeps bees."), *PET_FACTS]))
+    calls = [pb.RetrieveAndStageRequest(user_id=user("rt-batch-a"), query="dog", top_k=2, profile=profile,
+                                        node_id="n"),
+             pb.RetrieveAndStageRequest(user_id="not a valid id", query="dog", top_k=2, profile=profile, node_id="n"),
+             pb.RetrieveAndStageRequest(user_id=user("rt-batch-b"), query="bees", top_k=-3, profile=profile,
+                                        node_id="n"),
+             pb.RetrieveAndStageRequest(user_id=user("rt-batch-b"), query="bees", top_k=3, profile=profile,
+                                        node_id="n")]
+    results = stub.RetrieveAndStageBatch(pb.RetrieveAndStageBatchRequest(calls=calls)).results
+    assert [result.code for result in results] == [grpc.StatusCode.OK.value[0], *(
+        [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2), grpc.StatusCode.OK.value[0]]
+    assert results[1].message.startswith("user_id:") and results[2].message.startswith("top_k:")
+    for call, result in ((calls[0], results[0]), (calls[3], results[3])):
+        alone = stub.RetrieveAndStage(call)
+        assert [(f.fact_id, f.rank, f.text) for f in result.response.facts] == [
+            (f.fact_id, f.rank, f.text) for f in alone.facts]
+    assert results[3].response.facts[0].text == "rt-batch-b keeps bees."
+    for wrong in ([], calls[:1] * 257):
+        with pytest.raises(grpc.RpcError) as error:
+            stub.RetrieveAndStageBatch(pb.RetrieveAndStageBatchRequest(calls=wrong))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("calls:")
+
+
 def test_retrieve_and_stage_returns_ranked_facts_marked_not_ready(stub) -> None:
     stub.IngestFacts(pb.IngestFactsRequest(user_id=user("rt-stage"), facts=PET_FACTS))
     profile = pb.KvProfile(

@@ -62,6 +62,9 @@ BAD_STRING = {
     "SearchFacts": (pb.SearchFactsRequest(user_id=USER, query="PLACEHOLDER"), "query"),
     "RetrieveAndStage": (pb.RetrieveAndStageRequest(user_id=USER, profile=pb.KvProfile(model="PLACEHOLDER")),
                          "profile.model"),
+    "RetrieveAndStageBatch": (pb.RetrieveAndStageBatchRequest(calls=[
+        pb.RetrieveAndStageRequest(user_id=USER), pb.RetrieveAndStageRequest(user_id="PLACEHOLDER")]),
+        "calls[1].user_id"),
     "ListFacts": (pb.ListFactsRequest(user_id=USER, page_token="PLACEHOLDER"), "page_token"),
     "DeleteFacts": (pb.DeleteFactsRequest(user_id=USER, fact_ids=["kayak", "PLACEHOLDER"]), "fact_ids[1]"),
     "DeleteUser": (pb.DeleteUserRequest(user_id="PLACEHOLDER"), "user_id"),
