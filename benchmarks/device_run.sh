@@ -169,7 +169,7 @@ case $stage in
   memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV; replicas on a real PostgreSQL and SeaweedFS
     stop_all
     python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers 64 128 --duration-s 12 \
-      --embeds caller service --replicas ${STEP_REPLICAS:-1 4 8 12} --shared-stores --client-processes 4 \
+      --embeds caller service --replicas ${STEP_REPLICAS:-1 4 8 12} --shared-stores --client-processes 4 --node-batching \
       --model "${BENCH_MODEL:-.gpu/smollm2}" --shape "${BENCH_SHAPE:-llama3-8b}" \
       --service-flags "--embedding-threads 2" \
       --output "$out/memory-step.json" 2>&1 | quiet | grep --line-buffered "^{\||" | tee "$out/memory-step.txt" ;;
