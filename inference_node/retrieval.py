@@ -31,7 +31,7 @@ from inference_node.settings import WARM_UP_EVERY_S, NodeSettings
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.call_credentials import NODE, bearer_metadata, memory_service_aio_channel
-from inferscale_kv.limits import HYBRID_CANDIDATES, MAX_RETRIEVE_BATCH
+from inferscale_kv.limits import HYBRID_CANDIDATES, MAX_BATCH_FACTS, MAX_RETRIEVE_BATCH
 
 DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR = "deadline", "unavailable", "error"
 DROP_REASONS = (DROP_DEADLINE, DROP_UNAVAILABLE, DROP_ERROR)
@@ -102,10 +102,13 @@ class Dropped:
 
 class RetrievalBatcher:
     """The node's RetrieveAndStage calls, sent alone while fewer than `in_flight` are under way, else together: the
-    calls waiting when one ends go in one RetrieveAndStageBatch (at most MAX_RETRIEVE_BATCH), each answered or
-    failed (a grpc.aio.AioRpcError of its own status) as alone. Each call keeps its own deadline: a batch's is its
-    earliest. A memory service without the batch method (UNIMPLEMENTED) gets single calls from then on. Use from one
-    event loop."""
+    calls waiting when one ends go in one RetrieveAndStageBatch (at most MAX_RETRIEVE_BATCH calls and
+    MAX_BATCH_FACTS facts), each answered or failed (a grpc.aio.AioRpcError of its own status) as alone. Each call
+    keeps its own deadline: one past it fails DEADLINE_EXCEEDED then, sent or not. A memory service without the
+    batch method (UNIMPLEMENTED: an earlier release) gets single calls for SINGLE_CALLS_FOR_S, then batches are tried
+    again. Use from one event loop."""
+
+    SINGLE_CALLS_FOR_S = 60.0
 
     def __init__(self, stub: memory_pb2_grpc.MemoryServiceStub, metadata: tuple[tuple[str, str], ...],
                  timeout_s: float, in_flight: int = RETRIEVE_BATCHES_IN_FLIGHT) -> None:
@@ -114,21 +117,35 @@ class RetrievalBatcher:
         self._timeout_s = timeout_s
         self._in_flight = in_flight
         self._running: set[asyncio.Task[None]] = set()
-        self._waiting: list[tuple[pb.RetrieveAndStageRequest, float, asyncio.Future[pb.RetrieveAndStageResponse]]] = []
-        self._batches = True
+        self._waiting: list[_Call] = []
+        self._single_until = 0.0
 
     async def call(self, request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[pb.RetrieveAndStageResponse] = loop.create_future()
-        self._waiting.append((request, loop.time() + self._timeout_s, future))
+        waiting = _Call(request, loop.time() + self._timeout_s, loop.create_future())
+        expiry = loop.call_at(waiting.deadline, waiting.fail, _status(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                                       "Deadline Exceeded"))
+        self._waiting.append(waiting)
         self._send_waiting()
-        return await future
+        try:
+            return await waiting.future
+        finally:
+            expiry.cancel()
 
     def _send_waiting(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiting = [waiting for waiting in self._waiting if not waiting.future.done()]
         while self._waiting and len(self._running) < self._in_flight:
-            batch = self._waiting[:MAX_RETRIEVE_BATCH] if self._batches else self._waiting[:1]
+            batch: list[_Call] = []
+            facts = 0
+            limit = 1 if loop.time() < self._single_until else MAX_RETRIEVE_BATCH
+            for waiting in self._waiting[:limit]:
+                facts += waiting.request.top_k
+                if batch and facts > MAX_BATCH_FACTS:
+                    break
+                batch.append(waiting)
             del self._waiting[: len(batch)]
-            task = asyncio.get_running_loop().create_task(self._send(batch))
+            task = loop.create_task(self._send(batch))
             self._running.add(task)
             task.add_done_callback(self._ended)
 
@@ -136,51 +153,65 @@ class RetrievalBatcher:
         self._running.discard(task)
         self._send_waiting()
 
-    async def _send(self, batch: list[tuple[pb.RetrieveAndStageRequest, float,
-                                            asyncio.Future[pb.RetrieveAndStageResponse]]]) -> None:
-        live = [(request, deadline, future) for request, deadline, future in batch if not future.done()]
+    async def _send(self, batch: list[_Call]) -> None:
+        loop = asyncio.get_running_loop()
+        live = [waiting for waiting in batch if not waiting.future.done()]
         if not live:
             return
-        timeout = max(0.0, min(deadline for _, deadline, _ in live) - asyncio.get_running_loop().time())
+        # The latest deadline of the batch: each call fails at its own (its timer), answered or not.
+        timeout = max(0.001, max(waiting.deadline for waiting in live) - loop.time())
         RETRIEVE_BATCH_CALLS.observe(len(live))
         try:
             if len(live) == 1:
                 results: list[pb.RetrieveAndStageResponse | grpc.aio.AioRpcError] = [
-                    await self._stub.RetrieveAndStage(live[0][0], timeout=timeout, metadata=self._metadata)]
+                    await self._stub.RetrieveAndStage(live[0].request, timeout=timeout, metadata=self._metadata)]
             else:
                 answer = await self._stub.RetrieveAndStageBatch(
-                    pb.RetrieveAndStageBatchRequest(calls=[request for request, _, _ in live]), timeout=timeout,
+                    pb.RetrieveAndStageBatchRequest(calls=[waiting.request for waiting in live]), timeout=timeout,
                     metadata=self._metadata)
                 results = [_result(result) for result in answer.results]
                 if len(results) != len(live):
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               f"{len(results)} results for {len(live)} calls")
+                    raise _status(grpc.StatusCode.INTERNAL, f"{len(results)} results for {len(live)} calls")
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED and len(live) > 1:
-                self._batches = False  # a memory service of an earlier release: one call each, from now on
+                self._single_until = loop.time() + self.SINGLE_CALLS_FOR_S  # an earlier release: one call each
                 self._waiting[:0] = live
                 return
-            results = [error] * len(live)
+            results = [_status(error.code(), error.details() or "") for _ in live]
         except Exception as error:  # never leave a caller waiting
-            for _, _, future in live:
-                if not future.done():
-                    future.set_exception(error)
+            for waiting in live:
+                waiting.fail(error)
             return
-        for (_, _, future), result in zip(live, results, strict=True):
-            if future.done():  # its request went away meanwhile
-                continue
+        for waiting, result in zip(live, results, strict=True):
             if isinstance(result, grpc.aio.AioRpcError):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+                waiting.fail(result)
+            elif not waiting.future.done():
+                waiting.future.set_result(result)
+
+
+@dataclass
+class _Call:
+    """A call waiting for its answer: sent alone or in a batch."""
+
+    request: pb.RetrieveAndStageRequest
+    deadline: float  # the event loop's time
+    future: asyncio.Future[pb.RetrieveAndStageResponse]
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():  # answered, past its deadline, or its request gone away
+            self.future.set_exception(error)
+
+
+def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A call's failure, as the channel raises it."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 def _result(result: pb.RetrieveAndStageResult) -> pb.RetrieveAndStageResponse | grpc.aio.AioRpcError:
     """A batch's result as the call alone would have ended: its response, or its status as an AioRpcError."""
     if result.code == grpc.StatusCode.OK.value[0]:
         return result.response
-    return grpc.aio.AioRpcError(_STATUS_OF_CODE.get(result.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
-                                grpc.aio.Metadata(), result.message)
+    return _status(_STATUS_OF_CODE.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
 
 
 class MemoryRetriever:

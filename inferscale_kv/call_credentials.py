@@ -26,6 +26,8 @@ from pathlib import Path
 
 import grpc
 
+from inferscale_kv.limits import MAX_MESSAGE_BYTES
+
 AUTHORIZATION_KEY = "authorization"
 BEARER_PREFIX = "Bearer "
 WORKER = "INFERSCALE_WORKER_"
@@ -35,7 +37,8 @@ NODE_TOKEN_ENV = f"{NODE}MEMORY_SERVICE_TOKEN"
 _SERVICE_CONFIG = json.dumps({
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [{"name": [{"service": "inferscale.v1.MemoryService", "method": method} for method in (
-        "IngestFacts", "IngestTurns", "SearchFacts", "ListFacts", "RetrieveAndStage", "FetchKv", "GetStats",
+        "IngestFacts", "IngestTurns", "SearchFacts", "ListFacts", "RetrieveAndStage", "RetrieveAndStageBatch",
+        "FetchKv", "GetStats",
         "AnnounceProfile", "CompleteKvWork")],
                       "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
                                       "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}],
@@ -98,7 +101,9 @@ def memory_service_channel(address: str, role: str,
 
 
 def memory_service_aio_channel(address: str, role: str) -> grpc.aio.Channel:
-    """The asyncio channel of the same settings; its callers pass `bearer_metadata(role)` per call."""
+    """The asyncio channel of the same settings, taking answers as large as the memory service sends at its
+    defaults (a batch of calls' facts); its callers pass `bearer_metadata(role)` per call."""
     credentials = channel_credentials(role)
-    return (grpc.aio.secure_channel(address, credentials, options=REPLICA_OPTIONS) if credentials
-            else grpc.aio.insecure_channel(address, options=REPLICA_OPTIONS))
+    options = (*REPLICA_OPTIONS, ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES))
+    return (grpc.aio.secure_channel(address, credentials, options=options) if credentials
+            else grpc.aio.insecure_channel(address, options=options))

@@ -13,5 +13,9 @@ MAX_MEMORY_TOP_K = 200
 # for a warm-up beyond a request's top_k stays within it, so that the request's own facts rank as they would alone.
 HYBRID_CANDIDATES = 100
 
-# The most RetrieveAndStage calls one RetrieveAndStageBatch carries (a node's micro-batch of concurrent queries).
+# The most RetrieveAndStage calls one RetrieveAndStageBatch carries (a node's micro-batch of concurrent queries), and
+# the most facts (top_k summed over them) a node asks in one: its answer stays well under MAX_MESSAGE_BYTES.
 MAX_RETRIEVE_BATCH = 256
+MAX_BATCH_FACTS = 2048
+# The largest gRPC message the memory service accepts or sends (its --max-message-bytes default), and a node takes.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024

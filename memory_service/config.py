@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inferscale_kv.embedding_model import DEFAULT_EMBEDDING_MODEL
-from inferscale_kv.limits import MAX_QUERY_CHARS, MAX_SEARCH_TOP_K
+from inferscale_kv.limits import MAX_MESSAGE_BYTES, MAX_QUERY_CHARS, MAX_SEARCH_TOP_K
 from inferscale_kv.options import OptionError, OptionParser, option
 
 ENV_PREFIX = "INFERSCALE_"
@@ -61,7 +61,7 @@ class ServiceConfig:
     embedding_batch_size: int = option(64, help="texts embedded in one batch")
     embedding_threads: int = option(
         1, help="intra-op threads for embedding (ONNX Runtime: of each of the query and ingest sessions; torch)")
-    max_message_bytes: int = option(64 * 1024 * 1024, help="largest gRPC message accepted or sent")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, help="largest gRPC message accepted or sent")
     shutdown_grace_s: float = option(5.0, help="on SIGTERM, how long calls in flight may finish")
     kv_host_budget_mb: int = option(1024, help="host-memory cache of the fact KV nodes fetch (0 disables)")
     kv_gpu_budget_mb: int = option(0, help="deprecated and ignored: the service keeps no fact KV on a GPU")

@@ -24,6 +24,10 @@ class ServiceMetrics:
             "inferscale_rpc_requests", "gRPC calls by method and status code", ["method", "code"],
             registry=self.registry,
         )
+        self.batched_calls = Counter(
+            "inferscale_batched_calls", "RetrieveAndStage calls answered inside RetrieveAndStageBatch, by status code",
+            ["code"], registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "inferscale_rpc_duration_seconds", "gRPC call latency by method", ["method"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,

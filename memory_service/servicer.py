@@ -9,6 +9,7 @@ import dataclasses
 from concurrent.futures import Executor
 
 import grpc
+import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from inferscale.v1 import memory_pb2 as pb
@@ -45,6 +46,11 @@ from memory_service.validation import (
     validate_turns,
 )
 
+log = structlog.get_logger(__name__)
+
+# The calls of one RetrieveAndStageBatch that run at once (the rest wait): a batch takes a bounded share of the read
+# threads, as that many single calls would.
+BATCH_CALLS_AT_ONCE = 16
 _OUTCOME_TO_PB = {
     IngestOutcome.CREATED: pb.INGEST_OUTCOME_CREATED,
     IngestOutcome.UPDATED: pb.INGEST_OUTCOME_UPDATED,
@@ -247,17 +253,30 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
                                     context) -> pb.RetrieveAndStageBatchResponse:
         if not 0 < len(request.calls) <= MAX_RETRIEVE_BATCH:
             raise InvalidArgument("calls", f"must hold 1 to {MAX_RETRIEVE_BATCH} calls, not {len(request.calls)}")
-        results = await asyncio.gather(*(self._retrieve_one(call) for call in request.calls))
+        running = asyncio.Semaphore(BATCH_CALLS_AT_ONCE)
+        results = await asyncio.gather(*(self._retrieve_one(call, running) for call in request.calls))
         return pb.RetrieveAndStageBatchResponse(results=results)
 
-    async def _retrieve_one(self, call: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResult:
-        """One call of a batch, authorized for this caller and answered as RetrieveAndStage alone (its own status)."""
+    async def _retrieve_one(self, call: pb.RetrieveAndStageRequest,
+                            running: asyncio.Semaphore) -> pb.RetrieveAndStageResult:
+        """One call of a batch, authorized for this caller and answered as RetrieveAndStage alone (its own status,
+        counted and, unless OK, logged with its user); a failure of the service's own is INTERNAL for this call
+        alone."""
+        structlog.contextvars.bind_contextvars(user_id=call.user_id[:128])  # this call's task only
+        code, message, response = grpc.StatusCode.OK, "", None
         try:
             CALLER.get().authorize("RetrieveAndStage", call)
-            return pb.RetrieveAndStageResult(code=grpc.StatusCode.OK.value[0],
-                                             response=await self._retrieve_and_stage(call))
+            async with running:
+                response = await self._retrieve_and_stage(call)
         except MemoryServiceError as error:
-            return pb.RetrieveAndStageResult(code=status_code_for(error).value[0], message=str(error))
+            code, message = status_code_for(error), str(error)
+        except Exception:
+            log.exception("batched_call_failed")
+            code, message = grpc.StatusCode.INTERNAL, "internal error (the batch's request id names it in the logs)"
+        self.metrics.batched_calls.labels(code=code.name).inc()
+        if code != grpc.StatusCode.OK:
+            log.info("batched_call_refused", code=code.name, error=message[:500])
+        return pb.RetrieveAndStageResult(code=code.value[0], message=message, response=response)
 
     async def _retrieve_and_stage(self, request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
         user_id = validate_id(request.user_id, "user_id")

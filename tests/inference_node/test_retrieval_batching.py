@@ -5,6 +5,7 @@ facts or its own status, and a service without the batch method gets single call
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -91,3 +92,50 @@ def test_a_service_without_the_batch_method_gets_single_calls(memory_service, pr
     for request, answer in zip(requests, answers, strict=True):
         assert isinstance(answer, pb.RetrieveAndStageResponse), answer
         assert answer.facts[0].text == _marker(request.user_id)
+
+
+class _Recording:
+    """A memory service stand-in that answers every call after `delay_s`, recording each RPC's number of calls."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.sizes: list[int] = []
+
+    async def RetrieveAndStage(self, request, timeout, metadata):
+        self.sizes.append(1)
+        await asyncio.sleep(self.delay_s)
+        return pb.RetrieveAndStageResponse()
+
+    async def RetrieveAndStageBatch(self, request, timeout, metadata):
+        self.sizes.append(len(request.calls))
+        await asyncio.sleep(self.delay_s)
+        return pb.RetrieveAndStageBatchResponse(results=[pb.RetrieveAndStageResult() for _ in request.calls])
+
+
+def test_a_batch_holds_at_most_max_batch_facts() -> None:
+    service = _Recording(0.01)
+
+    async def run() -> None:
+        batcher = RetrievalBatcher(service, (), 10.0, in_flight=1)  # type: ignore[arg-type]
+        await asyncio.gather(*(batcher.call(pb.RetrieveAndStageRequest(user_id=f"u{i}", top_k=1000))
+                               for i in range(6)))
+
+    asyncio.run(run())
+    assert service.sizes == [1, 2, 2, 1]  # 2 x 1000 facts fit MAX_BATCH_FACTS (2048), 3 do not
+
+
+def test_each_call_fails_at_its_own_deadline_sent_or_waiting() -> None:
+    service = _Recording(30.0)  # never answers in time
+
+    async def run() -> tuple[list[BaseException | pb.RetrieveAndStageResponse], float]:
+        batcher = RetrievalBatcher(service, (), 0.3, in_flight=1)  # type: ignore[arg-type]
+        started = time.perf_counter()
+        answers = await asyncio.gather(*(batcher.call(pb.RetrieveAndStageRequest(user_id=f"u{i}", top_k=5))
+                                         for i in range(3)), return_exceptions=True)
+        return answers, time.perf_counter() - started
+
+    answers, seconds = asyncio.run(run())
+    assert seconds < 5, seconds
+    assert all(isinstance(answer, grpc.aio.AioRpcError) and answer.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+               for answer in answers), answers
+    assert service.sizes == [1]  # the two waiting calls expired before a slot came free

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from harness.router import metric_total, prometheus_samples
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.profile import kv_profile_id
 from tests.stacks import Users
@@ -155,6 +156,11 @@ def test_concurrent_ingests_of_the_same_facts_create_no_duplicates(stub) -> None
     assert len(_all_fact_ids(stub, user("rt-concurrent"))) == 20
 
 
+def _batched_calls(service, code: str) -> float:
+    return metric_total(prometheus_samples(f"http://127.0.0.1:{service.metrics_port}/metrics"),
+                        "inferscale_batched_calls_total", f'code="{code}"')
+
+
 def _stage_profile() -> pb.KvProfile:
     profile = pb.KvProfile(model="smollm2-135m", model_hash="m", kv_dtype="float32", tokenizer_hash="t",
                            header_hash="h", recipe="chunked-rope-cwe", recipe_version=1, context_window=0)
@@ -162,7 +168,7 @@ def _stage_profile() -> pb.KvProfile:
     return profile
 
 
-def test_a_batch_answers_each_call_as_it_would_alone_in_order(stub) -> None:
+def test_a_batch_answers_each_call_as_it_would_alone_in_order(memory_service, stub) -> None:
     """RetrieveAndStageBatch: each call's own answer or refusal (naming its field), in the calls' order; a batch of
     no calls or of too many is refused whole."""
     profile = _stage_profile()
@@ -176,7 +182,9 @@ def test_a_batch_answers_each_call_as_it_would_alone_in_order(stub) -> None:
                                         node_id="n"),
              pb.RetrieveAndStageRequest(user_id=user("rt-batch-b"), query="bees", top_k=3, profile=profile,
                                         node_id="n")]
+    refused_before = _batched_calls(memory_service, "INVALID_ARGUMENT")
     results = stub.RetrieveAndStageBatch(pb.RetrieveAndStageBatchRequest(calls=calls)).results
+    assert _batched_calls(memory_service, "INVALID_ARGUMENT") == refused_before + 2  # each call counted
     assert [result.code for result in results] == [grpc.StatusCode.OK.value[0], *(
         [grpc.StatusCode.INVALID_ARGUMENT.value[0]] * 2), grpc.StatusCode.OK.value[0]]
     assert results[1].message.startswith("user_id:") and results[2].message.startswith("top_k:")
