@@ -28,6 +28,7 @@ class ServiceMetrics:
             "inferscale_batched_calls", "RetrieveAndStage calls answered inside RetrieveAndStageBatch, by status code",
             ["code"], registry=self.registry,
         )
+        self.batched_calls.labels(code="OK")  # the series exists from the start, at 0 before any batch
         self.rpc_duration = Histogram(
             "inferscale_rpc_duration_seconds", "gRPC call latency by method", ["method"],
             buckets=_LATENCY_BUCKETS, registry=self.registry,

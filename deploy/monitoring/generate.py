@@ -217,6 +217,11 @@ MEMORY_SERVICE = Dashboard(
             Panel("RetrieveAndStage outcomes", "RetrieveAndStage calls per second by status code.", "reqps",
                   (Query(f"sum by (code) (rate(inferscale_rpc_requests_total{{{RETRIEVE}}}[{RATE}]))", "{{code}}"),),
                   stacked=True),
+            Panel("Batched RetrieveAndStage calls by outcome",
+                  "Calls answered inside RetrieveAndStageBatch per second, by each call's own status code "
+                  "(PERMISSION_DENIED: a node credential asked for a user outside its users).", "reqps",
+                  (Query(f"sum by (code) (rate(inferscale_batched_calls_total[{RATE}]))", "{{code}}"),),
+                  stacked=True),
         )),
         Row("Retrieval and embedding", (
             Panel("Embedding latency",
@@ -431,6 +436,12 @@ INFERENCE_NODE = Dashboard(
                   lines=True),
         )),
         Row("RetrieveAndStage", (
+            Panel("RetrieveAndStage calls per RPC",
+                  "Mean calls each RPC to the memory service carried: 1 while fewer than 4 were under way; more when "
+                  "the node batched the calls that arrived meanwhile (RetrieveAndStageBatch).", "short",
+                  (Query(f"sum by (instance) (rate(inferscale_node_retrieve_batch_calls_sum[{RATE}])) / "
+                         f"sum by (instance) (rate(inferscale_node_retrieve_batch_calls_count[{RATE}]))",
+                         "{{instance}}"),)),
             Panel("RetrieveAndStage latency",
                   "As each node sees it, successful calls only. Orange: half the default deadline; red: the "
                   "default --retrieve-timeout-s (2 s), past which the request is served without its memory.", "s",
