@@ -127,8 +127,8 @@ def test_a_service_that_refuses_the_warm_up_still_serves_the_requests_own_top_k(
     node, app, loop, signer = middleware
     user_id = users_with_kv[2] + "-capped"
     _ask(node, loop, user_id, mode="text")  # the channel to the service opens on the middleware's loop
-    retriever = node._retriever
-    service = retriever._stub = CappedService(retriever._connected(), limit=4)
+    batcher = node._retriever._connected()
+    service = batcher._stub = CappedService(batcher._stub, limit=4)
     for _ in range(2):
         summary = _ask(node, loop, user_id, mode="text")
         assert summary["facts"] == 0  # (no facts under this name: the calls are what is looked at)
