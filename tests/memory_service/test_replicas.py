@@ -165,12 +165,16 @@ def test_a_worker_completes_through_another_replica_than_it_leased_from(stubs, r
     profile = tiny_profile(tiny_llama_dir)
     stubs[1].IngestFacts(pb.IngestFactsRequest(user_id="hana", facts=[
         pb.FactInput(fact_id="h0", text="Hana flies kites over the garden.")]))
+    retrieve = pb.RetrieveAndStageRequest(user_id="hana", query="kites", top_k=5, profile=profile, node_id="test")
+    # Replica 2 answers first, KV not ready: its copy of the KV index holds that until the completion (made through
+    # replica 1) moves the user's KV generation.
+    (before,) = stubs[2].RetrieveAndStage(retrieve).facts
+    assert not before.kv_ready
     accepted = upload_custom_kv(stubs[0], profile, "hana", lambda item: (
         *random_kv(len(fact_token_ids(tokenizer, item.text)), 3), fact_token_ids(tokenizer, item.text)),
         complete_stub=stubs[1])
     assert accepted == 1
-    (fact,) = stubs[2].RetrieveAndStage(pb.RetrieveAndStageRequest(
-        user_id="hana", query="kites", top_k=5, profile=profile, node_id="test")).facts
+    (fact,) = stubs[2].RetrieveAndStage(retrieve).facts
     assert fact.kv_ready
 
 
