@@ -89,7 +89,7 @@ class SqliteDatabase(Database):
         super().__init__()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.create_function("inferscale_sha256", 1, _sha256_hex, deterministic=True)
+        self._db.create_function("inferscale_sha256", 1, sha256_hex, deterministic=True)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._lock = threading.RLock()
@@ -187,7 +187,8 @@ class PostgresDatabase(Database):
         self._pool.close()
 
 
-def _sha256_hex(text: str) -> str:
+def sha256_hex(text: str) -> str:
+    """The text's sha256 in hex: what SQLite's inferscale_sha256 and PostgreSQL's encode(sha256(...), 'hex') give."""
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -29,6 +29,7 @@ from memory_service.sql import Database
 # What the serving copy keeps, over every user, counted as entries (known absences too) plus their token ids; the
 # least recently used users go first.
 SERVING_COPY_SIZE = 2_000_000
+HEADER_DIGEST = user_digest(HEADER_OWNER)
 
 
 @dataclass(frozen=True)
@@ -162,12 +163,11 @@ class KvIndex:
         """What `entries(profile_id, user_id, fact_ids)` and `header_entry(profile_id)` answer, from the serving copy
         where the user's and the header's KV generations have not moved since it was read: one statement when the
         copy knows every fact, one more for the facts (or header) it does not."""
-        owners = (user_id, HEADER_OWNER)
-        rows = self._database.query("SELECT user_digest, generation FROM kv_generations WHERE user_digest IN (?, ?)",
-                                    [user_digest(owner) for owner in owners])
-        generation = dict(rows)
-        user = self._served(profile_id, user_id, fact_ids, generation.get(user_digest(user_id), 0))
-        header = self._served(profile_id, HEADER_OWNER, [HEADER_FACT_ID], generation.get(user_digest(HEADER_OWNER), 0))
+        digests = (user_digest(user_id), HEADER_DIGEST)
+        generation = dict(self._database.query(
+            "SELECT user_digest, generation FROM kv_generations WHERE user_digest IN (?, ?)", digests))
+        user = self._served(profile_id, user_id, fact_ids, generation.get(digests[0], 0))
+        header = self._served(profile_id, HEADER_OWNER, [HEADER_FACT_ID], generation.get(HEADER_DIGEST, 0))
         return ({fact: entry for fact, entry in user.items() if entry is not None},
                 header.get(HEADER_FACT_ID))
 

@@ -4,17 +4,17 @@ says how they are used). Rows are keyed by a digest of the user id, so a deleted
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
-from memory_service.sql import Database
+from memory_service.sql import Database, sha256_hex
 
 _GENERATIONS_PER_QUERY = 500
 
 
 def user_digest(user_id: str) -> str:
-    return hashlib.sha256(user_id.encode()).hexdigest()
+    """The key of a user's rows here and in kv_generations (whose trigger computes the same in SQL)."""
+    return sha256_hex(user_id)
 
 
 class UserRecords:
