@@ -56,6 +56,8 @@ from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The callers' channels: round robin over the replicas, as a node's, taking large FetchKv answers.
+CHANNEL_OPTIONS = (*REPLICA_OPTIONS, ("grpc.max_receive_message_length", 256 << 20))
 # Service counters that tell the KV work behind the calls (summed over their labels unless a label is named).
 DURABLE_TIERS = ("disk", "object-store")
 WORK_COUNTERS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
@@ -307,14 +309,13 @@ async def run_phases(deployed: Replicas, requests: dict[str, list[pb.RetrieveAnd
     """Every (embeds, callers) phase against `deployed`'s replicas, spread round robin as a node's channel spreads
     its calls; first, every replica has looked up every user once (its search cache holds them, as in steady
     state)."""
-    options = [*REPLICA_OPTIONS, ("grpc.max_receive_message_length", 256 << 20)]
     for service in deployed.services:
-        async with grpc.aio.insecure_channel(service.address, options=options) as channel:
+        async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
             stub = memory_pb2_grpc.MemoryServiceStub(channel)
             for user in users:
                 warm = next(request for request in requests[args.embeds[0]] if request.user_id == user)
                 await stub.RetrieveAndStage(warm, timeout=60)
-    async with grpc.aio.insecure_channel(deployed.address, options=options) as channel:
+    async with grpc.aio.insecure_channel(deployed.address, options=CHANNEL_OPTIONS) as channel:
         stub = caller_stub(channel, args.node_batching)
         for embeds in args.embeds:
             await closed_loop(stub, requests[embeds], 4, 3.0, args.k, args.fetch, seed=0)  # warm-up
@@ -363,8 +364,7 @@ def _client_process(job: tuple[str, list[pb.RetrieveAndStageRequest], int, float
     address, requests, callers, duration_s, k, fetch, seed, started, node_batching = job
 
     async def run() -> PhaseResult:
-        options = [*REPLICA_OPTIONS, ("grpc.max_receive_message_length", 256 << 20)]
-        async with grpc.aio.insecure_channel(address, options=options) as channel:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             stub = caller_stub(channel, node_batching)
             await stub.RetrieveAndStage(requests[0], timeout=60)  # connected (each replica's subchannel comes up)
             await asyncio.to_thread(started.wait, 120)

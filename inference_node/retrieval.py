@@ -123,8 +123,7 @@ class RetrievalBatcher:
     async def call(self, request: pb.RetrieveAndStageRequest) -> pb.RetrieveAndStageResponse:
         loop = asyncio.get_running_loop()
         waiting = _Call(request, loop.time() + self._timeout_s, loop.create_future())
-        expiry = loop.call_at(waiting.deadline, waiting.fail, _status(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                                       "Deadline Exceeded"))
+        expiry = loop.call_at(waiting.deadline, waiting.expire)
         self._waiting.append(waiting)
         self._send_waiting()
         try:
@@ -200,6 +199,11 @@ class _Call:
     def fail(self, error: BaseException) -> None:
         if not self.future.done():  # answered, past its deadline, or its request gone away
             self.future.set_exception(error)
+
+    def expire(self) -> None:
+        """Its deadline passed, answered or not."""
+        if not self.future.done():
+            self.fail(_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
 
 def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
