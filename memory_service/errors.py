@@ -41,6 +41,10 @@ class PermissionDenied(MemoryServiceError):
     """The caller's credential does not allow this call or these users."""
 
 
+class NotLeaseHolder(PermissionDenied):
+    """A worker completed KV work under a lease that was not given to it."""
+
+
 _STATUS_BY_ERROR: dict[type[MemoryServiceError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,

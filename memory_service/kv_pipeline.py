@@ -34,7 +34,7 @@ from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.work_queue import Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
-from memory_service.errors import InvalidArgument, NotFound
+from memory_service.errors import InvalidArgument, NotFound, NotLeaseHolder
 from memory_service.fact_store import FactStore
 from memory_service.kv_checks import (
     AUDIT_TOLERANCES,
@@ -373,6 +373,8 @@ class KvPipeline:
         leased = await run_blocking(self._work_queue.lease, request.profile_id, max_facts - len(audits),
                                     lease_seconds, identity, lease_id)
         jobs = [Job(request.profile_id, a.key.user_id, a.key.fact_id, a.key.version) for a in audits] + leased.jobs
+        if jobs:
+            await run_blocking(self._work_queue.record_holder, lease_id, identity, leased.expires_at)
         by_user: dict[str, list[Job]] = {}
         for job in jobs:
             by_user.setdefault(job.user_id, []).append(job)
@@ -411,9 +413,13 @@ class KvPipeline:
                        failures: Sequence[tuple[Job, str]], worker_id: str) -> CompletionCounts:
         """Stores uploads that their lease still covers (same version, same lease, in the transaction that records
         them), as `worker_id`'s; a fact deleted, changed or re-leased since counts as stale and nothing of it is
-        stored. An upload for an audit the lease holds is compared with the stored KV instead. Uploads not stored as
-        the profile's kv_dtype, or laid out otherwise than its stored KV, raise InvalidArgument before anything is
+        stored. An upload for an audit the lease holds is compared with the stored KV instead. A lease that was not
+        given to `worker_id` (another worker's, or never issued) raises NotLeaseHolder, and uploads not stored as the
+        profile's kv_dtype, or laid out otherwise than its stored KV, raise InvalidArgument, before anything is
         stored. Failures return their jobs (and audits) to the queue (or mark them failed)."""
+        if await run_blocking(self._work_queue.holder, lease_id) != worker_id:
+            raise NotLeaseHolder(f"lease_id: not a lease held by worker {worker_id!r} (a lease is completed only by "
+                                 "the worker identity it was given to)")
         fields = await self._profile_fields(profile_id)
         await self._check_fit(profile_id, str(fields["kv_dtype"]), uploads, "results[{index}].blob")
         accepted = duplicates = stale = 0

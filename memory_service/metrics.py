@@ -83,6 +83,10 @@ class ServiceMetrics:
             "key, or gone when read: the node recomputes those tokens)", ["outcome"], registry=self.registry)
         for outcome in ("served", "missing"):
             self.kv_fetched_blobs.labels(outcome=outcome)
+        self.kv_foreign_lease_completions = Counter(
+            "inferscale_kv_foreign_lease_completions", "CompleteKvWork calls refused because the lease was not given "
+            "to the calling worker identity (another worker's, or never issued): nothing of them is stored",
+            registry=self.registry)
         self.kv_work_failures = Counter(
             "inferscale_kv_work_failures", "facts a worker reported it could not encode", registry=self.registry
         )

@@ -18,10 +18,10 @@ from memory_service.access import Principal
 from memory_service.blocking import run_blocking
 from memory_service.config import Limits
 from memory_service.coordination.kv_index import KvEntry
-from memory_service.coordination.work_queue import Job
+from memory_service.coordination.work_queue import Job, lease_digest
 from memory_service.coordination.workers import WorkerReport
 from memory_service.embedder import Embedder
-from memory_service.errors import LimitExceeded, NotFound
+from memory_service.errors import LimitExceeded, NotFound, NotLeaseHolder
 from memory_service.fact_store import FactStore
 from memory_service.kv_pipeline import (
     AuditOutcome,
@@ -268,7 +268,8 @@ class MemoryOperations:
         self._metrics.kv_audits.labels(outcome=AuditOutcome.ABANDONED.value).inc(lease.audits_abandoned)
         if lease.facts:
             self._metrics.kv_facts_leased.inc(len(lease.facts))
-            log.info("kv_work_leased", worker_id=request.worker_id, facts=len(lease.facts), lease_id=lease.lease_id)
+            log.info("kv_work_leased", worker_id=request.worker_id, facts=len(lease.facts),
+                     lease_digest=lease_digest(lease.lease_id))
         return lease
 
     async def complete_kv_work(self, profile_id: str, lease_id: str, uploads: Sequence[KvUpload],
@@ -279,7 +280,14 @@ class MemoryOperations:
         if uploads:
             caller.authorize_kv_upload("results", "worker")
         identity = caller.worker_identity(worker_id, "worker_id")
-        counts = await self._kv_pipeline.complete(profile_id, lease_id, uploads, failures, identity)
+        try:
+            counts = await self._kv_pipeline.complete(profile_id, lease_id, uploads, failures, identity)
+        except NotLeaseHolder:
+            self._metrics.kv_foreign_lease_completions.inc()
+            log.warning("kv_completion_refused", worker_id=worker_id, identity=identity,
+                        lease_digest=lease_digest(lease_id), results=len(uploads), failures=len(failures),
+                        reason="not a lease held by this worker identity: nothing stored")
+            raise
         self._metrics.kv_uploads.labels(outcome="accepted").inc(counts.accepted)
         self._metrics.kv_uploads.labels(outcome="duplicate").inc(counts.duplicates)
         self._metrics.kv_uploads.labels(outcome="stale").inc(counts.stale)

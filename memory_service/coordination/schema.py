@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from memory_service.sql import Database
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # The layout of version 1, then the tables added since (created on any database that lacks them).
 TABLES = (
     # coordination.profiles
@@ -44,6 +44,9 @@ TABLES = (
     "PRIMARY KEY (profile_id, user_id, fact_id, version, content_id, blob_sha256))",
     # coordination.kv_index (version 3)
     "CREATE TABLE IF NOT EXISTS kv_generations (user_digest TEXT PRIMARY KEY, generation BIGINT NOT NULL)",
+    # coordination.work_queue (version 4): who holds each lease
+    "CREATE TABLE IF NOT EXISTS kv_leases (lease_id TEXT PRIMARY KEY, holder TEXT NOT NULL, "
+    "expires DOUBLE PRECISION NOT NULL)",
 )
 # Columns added to version-1 tables, by the version that added them.
 UPGRADES = {

@@ -4,6 +4,7 @@ marked failed. A job leaves the queue when its KV is recorded (coordination.kv_i
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -14,6 +15,9 @@ from inferscale_kv.kv_key import KvKey
 from memory_service.sql import Database, Transaction
 
 QUEUED, LEASED, FAILED = "queued", "leased", "failed"
+# How long a lease's holder is remembered after the lease expired: a completion that comes later (a worker stalled for
+# a day) is refused as not the caller's, like a lease never issued.
+LEASE_HOLDER_RETENTION_S = 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class QueueCounts:
     leased: int
     failed: int
     lag_seconds: float
+
+
+def lease_digest(lease_id: str) -> str:
+    """What logs show of a lease id (which works as its holder's capability): enough to correlate lines, not to use."""
+    return hashlib.sha256(lease_id.encode()).hexdigest()[:16]
 
 
 def facts_condition(user_id: str, fact_ids: Sequence[str] | None) -> tuple[str, list[str]]:
@@ -104,6 +113,19 @@ class KvWorkQueue:
                        "WHERE profile_id = ? AND user_id = ? AND fact_id = ?",
                        (lease_id, expires, profile_id, user, fact))
         return LeasedJobs(lease_id, expires, [Job(profile_id, user, fact, version) for user, fact, version in rows])
+
+    def record_holder(self, lease_id: str, holder: str, expires_at: float) -> None:
+        """Records that `holder` (a worker identity) holds `lease_id` (facts or audits) until `expires_at`, and forgets
+        the holders of leases expired more than LEASE_HOLDER_RETENTION_S ago."""
+        with self._database.transaction() as tx:
+            tx.run("DELETE FROM kv_leases WHERE expires < ?", (time.time() - LEASE_HOLDER_RETENTION_S,))
+            tx.run("INSERT INTO kv_leases (lease_id, holder, expires) VALUES (?, ?, ?)",
+                   (lease_id, holder, expires_at))
+
+    def holder(self, lease_id: str) -> str | None:
+        """The worker identity that was given `lease_id` (None: never issued, or forgotten)."""
+        rows = self._database.query("SELECT holder FROM kv_leases WHERE lease_id = ?", (lease_id,))
+        return rows[0][0] if rows else None
 
     def requeue(self, tx: Transaction, key: KvKey) -> None:
         """Within `tx`: queues key's fact at key's version for the profile (its stored KV was withdrawn)."""

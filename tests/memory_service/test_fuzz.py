@@ -36,8 +36,10 @@ from inferscale_kv.profile import kv_profile_id
 from tests.conftest import own_memory_service
 
 CASES_PER_RPC = int(os.environ.get("INFERSCALE_FUZZ_CASES", "60"))
+# PERMISSION_DENIED even without access control: a CompleteKvWork under a lease not given to its worker_id.
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS}
+                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS,
+                 grpc.StatusCode.PERMISSION_DENIED}
 BYSTANDER = "fuzz-bystander"
 USERS = ("fuzz-a", "fuzz-b", "fuzz-c")
 MARKED = (*USERS, BYSTANDER)

@@ -223,3 +223,59 @@ def test_one_worker_credential_never_audits_its_own_header_or_fact_kv(audited_se
                                    metadata=_as("workers")).accepted == 1
         assert not _lease(stub, profile, "workers/evil-2", "workers").items  # its own KV: not its audit
         assert [i.fact_id for i in _lease(stub, profile, "workers-b/1", "workers-b").items] == ["bees"]
+
+
+def _made_up_upload(profile: pb.KvProfile, tokenizer, item: pb.KvWorkItem, seed: int) -> pb.FactKvUpload:
+    """KV of a leased fact under its true names (token ids, content id), with made-up tensors of the model's shape."""
+    tokens = fact_token_ids(tokenizer, item.text)
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn((4, len(tokens), 2, 64), generator=generator) for _ in range(2))
+    header = KvBlobHeader(profile.profile_id, item.user_id, item.fact_id, item.version, "float32", 4, len(tokens), 2,
+                          64, tuple(tokens), content_id(profile.profile_id, memory_header_ids(tokenizer), tokens))
+    return pb.FactKvUpload(user_id=item.user_id, fact_id=item.fact_id, version=item.version,
+                           blob=encode_kv_blob(header, keys, values))
+
+
+def _metric(service: MemoryServiceProcess, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=10) as response:
+        found = re.search(rf"^{name} (\S+)$", response.read().decode(), re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_worker_cannot_complete_another_workers_lease(audited_service, profile, tokenizer) -> None:
+    """Regression (issue 43, the table's first row): credential workers-b completed workers' lease (its own
+    worker_id, the other's lease_id, made-up KV for the other's fact) and the bytes were stored and served. Lease ids
+    were logged at info level, so anyone reading the log could do the same. Now a lease is completed only by the
+    identity it was given to: anything else is PERMISSION_DENIED, stores nothing and is counted."""
+    user = "acme/ines"
+    with audited_service.channel() as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                       announcer_id="workers-b"), metadata=_as("workers-b"))
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[pb.FactInput(fact_id="kayak",
+                                                                                 text="Ines paddles a kayak.")]),
+                         metadata=_metadata("acme"))
+        lease = _lease(stub, profile, "workers/a", "workers")
+        (item,) = [item for item in lease.items if item.user_id == user]
+        before = _metric(audited_service, "inferscale_kv_foreign_lease_completions_total")
+        for lease_id in (lease.lease_id, "never-issued"):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.CompleteKvWork(pb.CompleteKvWorkRequest(
+                    lease_id=lease_id, worker_id="workers-b", profile_id=profile.profile_id,
+                    results=[_made_up_upload(profile, tokenizer, item, seed=43)]), metadata=_as("workers-b"))
+            assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED, raised.value.details()
+            assert "lease_id" in raised.value.details()
+        assert _metric(audited_service, "inferscale_kv_foreign_lease_completions_total") == before + 2
+
+        def retrieved() -> pb.RetrievedFact:
+            response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(
+                user_id=user, query="kayak", top_k=1, profile=profile, node_id="n1"), metadata=_metadata("nodes"))
+            return response.facts[0]
+
+        assert not retrieved().kv_ready
+        # The lease is still its holder's: its own completion is stored.
+        assert stub.CompleteKvWork(pb.CompleteKvWorkRequest(
+            lease_id=lease.lease_id, worker_id="workers/a", profile_id=profile.profile_id,
+            results=[_made_up_upload(profile, tokenizer, item, seed=1)]), metadata=_as("workers")).accepted == 1
+        assert retrieved().kv_ready
+    assert lease.lease_id not in Path(audited_service.log_path).read_text()
