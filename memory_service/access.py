@@ -54,6 +54,8 @@ ROLES = frozenset(ROLE_METHODS) | {"admin"}
 # Between a worker credential's name and one of its processes in the worker ids it claims (`workers-a/gpu-0`).
 WORKER_PROCESS_SEPARATOR = "/"
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9._:@+/=-]+")
+# One bearer token (RFC 6750's b64token) after the scheme: no list of tokens, no spaces, nothing after it.
+_BEARER_TOKEN = re.compile(re.escape(BEARER_PREFIX) + r"([A-Za-z0-9._~+/-]+=*)")
 
 
 def token_digest(token: str) -> str:
@@ -147,14 +149,22 @@ class AccessControl:
             raise ConfigError(f"--auth-file {path}: two credentials share a token")
         return cls(principals)
 
-    def authenticate(self, metadata: dict[str, str]) -> Principal:
-        """The caller named by the call's `authorization: Bearer <token>` metadata; Unauthenticated otherwise."""
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Principal:
+        """The caller named by the call's metadata entries: exactly one `authorization` entry, whose value is exactly
+        `Bearer <token>` (one RFC 6750 token); Unauthenticated otherwise. Two entries are refused even without access
+        control, where no credential is checked: no call is answered for one credential while carrying another."""
+        values = [value for key, value in metadata if key == AUTHORIZATION_KEY]
+        if len(values) > 1:
+            raise Unauthenticated(f"{len(values)} `authorization` metadata entries: send exactly one credential")
         if not self.enabled:
             return OPEN_ACCESS
-        header = metadata.get(AUTHORIZATION_KEY, "")
-        if not header.startswith(BEARER_PREFIX):
-            raise Unauthenticated("missing credential: send `authorization: Bearer <token>` metadata")
-        presented = token_digest(header[len(BEARER_PREFIX):]).encode()
+        header = values[0] if values else ""
+        token = _BEARER_TOKEN.fullmatch(header) if isinstance(header, str) else None
+        if token is None:
+            raise Unauthenticated("missing credential: send `authorization: Bearer <token>` metadata (one token)"
+                                  if not header else
+                                  "malformed credential: `authorization` must be `Bearer <token>`, one token")
+        presented = token_digest(token.group(1)).encode()
         matched: Principal | None = None
         for principal in self.principals:  # every digest is compared, so timing does not tell which one matched
             if hmac.compare_digest(presented, principal.token_sha256.encode()):

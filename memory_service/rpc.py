@@ -65,7 +65,8 @@ def rpc(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def wrapper(self: RpcServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        metadata = dict(context.invocation_metadata() or ())
+        entries = tuple(context.invocation_metadata() or ())
+        metadata = dict(entries)
         request_id = next((candidate for candidate in (metadata.get(REQUEST_ID_KEY), getattr(request, "request_id", ""))
                            if _usable_request_id(candidate)), None) or uuid.uuid4().hex
         context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
@@ -78,7 +79,7 @@ def rpc(handler: Handler) -> Handler:
         code = grpc.StatusCode.OK
         error: BaseException | None = None
         try:
-            principal = self.access.authenticate(metadata)
+            principal = self.access.authenticate(entries)
             structlog.contextvars.bind_contextvars(caller=principal.name)
             if isinstance(request, UnparsableRequest):
                 principal.authorize_method(method)

@@ -41,8 +41,8 @@ CREDENTIALS: list[dict[str, Any]] = [
 ]
 
 
-def _bearer(name: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {TOKENS[name]}"}
+def _bearer(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[name]}"),)
 
 
 def _access() -> AccessControl:
@@ -61,15 +61,16 @@ def test_authenticate_returns_the_credential_whose_token_was_presented():
     assert access.authenticate(_bearer("ops")).role == "admin"
 
 
-@pytest.mark.parametrize("metadata", [{}, {"authorization": "acme-secret"}, {"authorization": "Bearer wrong"},
-                                      {"authorization": "Bearer "}])
-def test_authenticate_rejects_missing_malformed_and_unknown_tokens(metadata):
+@pytest.mark.parametrize("value", [None, "acme-secret", "Bearer wrong", "Bearer ", "Bearer acme-secret ",
+                                   "Bearer acme-secret, Bearer globex-secret", "Bearer acme-secret globex-secret",
+                                   "bearer acme-secret", "Basic acme-secret"])
+def test_authenticate_rejects_missing_malformed_and_unknown_tokens(value):
     with pytest.raises(Unauthenticated):
-        _access().authenticate(metadata)
+        _access().authenticate(() if value is None else (("authorization", value),))
 
 
 def test_without_credentials_every_caller_is_admitted_as_admin():
-    principal = AccessControl().authenticate({})
+    principal = AccessControl().authenticate(())
     principal.authorize("FetchKv", pb.FetchKvRequest(user_id="anyone"))
     assert principal.role == "admin"
 
@@ -93,7 +94,7 @@ def test_a_worker_id_is_bound_to_the_workers_credential():
     for claimed in ("evil-2", "workers2", "workers-b/gpu-1", "other/workers"):
         with pytest.raises(PermissionDenied, match="announcer_id"):
             workers.worker_identity(claimed, "announcer_id")
-    assert AccessControl().authenticate({}).worker_identity("anything", "worker_id") == "anything"
+    assert AccessControl().authenticate(()).worker_identity("anything", "worker_id") == "anything"
 
 
 @pytest.mark.parametrize(("name", "method", "request_message"), [
@@ -142,7 +143,7 @@ def guarded_stub(guarded_service) -> Iterator[memory_pb2_grpc.MemoryServiceStub]
 
 
 def _metadata(name: str) -> tuple[tuple[str, str], ...]:
-    return tuple(_bearer(name).items())
+    return _bearer(name)
 
 
 def _facts_of(stub, user_id: str) -> list[str]:
@@ -155,6 +156,32 @@ def test_service_rejects_a_call_without_a_token_as_unauthenticated(guarded_stub)
         guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="acme/maya", facts=[pb.FactInput(text="x")]))
     assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "authorization: Bearer" in error.value.details()
+
+
+def test_two_credentials_on_one_call_are_unauthenticated_on_every_rpc(guarded_service, guarded_stub):
+    """Regression (issue 43, the table's third row): with two `authorization` entries the last one won, so an app's
+    token followed by a worker's leased KV work, and one tenant's followed by another's listed the other's facts."""
+    guarded_stub.IngestFacts(pb.IngestFactsRequest(user_id="globex/eve", facts=[pb.FactInput(text="Eve's secret.")]),
+                             metadata=_metadata("globex-app"))
+    app_then_worker = _metadata("acme-app") + _metadata("workers")
+    tenant_then_tenant = _metadata("acme-app") + _metadata("globex-app")
+    one_value_two_tokens = (("authorization", f"Bearer {TOKENS['acme-app']}, Bearer {TOKENS['globex-app']}"),)
+    for metadata in (app_then_worker, tenant_then_tenant, one_value_two_tokens):
+        with guarded_service.channel() as channel:
+            for method in pb.DESCRIPTOR.services_by_name["MemoryService"].methods:
+                path = f"/{method.containing_service.full_name}/{method.name}"
+                call = channel.unary_stream(path) if method.server_streaming else channel.unary_unary(path)
+                with pytest.raises(grpc.RpcError) as error:
+                    answer = call(b"", metadata=metadata, timeout=30)
+                    if method.server_streaming:
+                        list(answer)
+                code = error.value.code()
+                assert code == grpc.StatusCode.UNAUTHENTICATED, f"{method.name}: {code}: {error.value.details()}"
+    with pytest.raises(grpc.RpcError) as error:
+        guarded_stub.ListFacts(pb.ListFactsRequest(user_id="globex/eve"), metadata=tenant_then_tenant)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "exactly one credential" in error.value.details()
+    assert _facts_of(guarded_stub, "globex/eve") == ["Eve's secret."]
 
 
 def test_service_refuses_another_tenants_user_and_stores_nothing(guarded_stub):
