@@ -131,6 +131,14 @@ class AccessControl:
     def enabled(self) -> bool:
         return bool(self.principals)
 
+    @property
+    def header_witnesses(self) -> int:
+        """How many worker identities must agree on a profile's memory header before it is served: 2 where the
+        credentials file names several KV writers, so that no one of them alone decides what every user's prompt
+        starts with; 1 where a single worker is trusted (one writer credential, or no access control at all)."""
+        writers = sum(1 for principal in self.principals if principal.role in KV_WRITER_ROLES)
+        return 2 if writers >= 2 else 1
+
     @classmethod
     def from_file(cls, path: Path | None) -> AccessControl:
         if path is None:

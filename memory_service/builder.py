@@ -64,9 +64,11 @@ class ServiceBuilder:
     and unset when `close` begins. What the builder lends (the database to the coordination store, the coordination
     store's table families to the fact store, the KV store and the pipeline) is closed by the builder alone."""
 
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics, header_witnesses: int = 1) -> None:
+        """`header_witnesses`: worker identities that must agree on a header (AccessControl.header_witnesses)."""
         self.config = config
         self.metrics = metrics
+        self.header_witnesses = header_witnesses
         self.service: Service | None = None
         self._closers: list[tuple[str, Callable[[], object]]] = []
 
@@ -122,7 +124,7 @@ class ServiceBuilder:
         kv_pipeline = KvPipeline(fact_store, kv_store, coordination.profile_registry, coordination.work_queue,
                                  coordination.kv_index, coordination.audits, coordination.worker_registry,
                                  config.kv_lease_max_facts, config.kv_lease_seconds, config.kv_lease_max_seconds,
-                                 config.kv_audit_share)
+                                 config.kv_audit_share, self.header_witnesses)
         self.metrics.watch_kv(kv_store, kv_pipeline)
         await kv_pipeline.reconcile()
 

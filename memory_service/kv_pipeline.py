@@ -29,7 +29,7 @@ from inferscale_kv.blob import read_kv_header
 from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, HEADER_VERSION, KvKey
 from inferscale_kv.shape import KvShape
 from memory_service.blocking import run_blocking
-from memory_service.coordination.audits import DISPUTE_REASON, Audit, KvAudits, QuarantinedBlob
+from memory_service.coordination.audits import CANDIDATE_REASON, DISPUTE_REASON, Audit, KvAudits, QuarantinedBlob
 from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
 from memory_service.coordination.work_queue import Job, KvWorkQueue
@@ -72,9 +72,10 @@ class AuditResult:
 
 
 class HeaderOutcome(Enum):
-    STORED = "stored"  # none was stored: this one is, its audit to come
+    STORED = "stored"  # stored and served: agreed on by two worker identities, or the first of a one-witness service
     UNCHANGED = "unchanged"  # the stored header, within the tolerance (an audit of it passed, if it was one)
-    CONFLICT = "conflict"  # a differing header: kept aside (the first), or it withdraws the stored one (the second)
+    WAITING = "waiting"  # kept as the announcer's candidate until another worker identity agrees (text meanwhile)
+    CONFLICT = "conflict"  # differing from the stored header or another candidate: kept aside, nothing replaced
     REFUSED = "refused"  # the announcer is barred from the header, or its header differed from the stored one already
 
 
@@ -133,10 +134,14 @@ class KvPipeline:
 
     def __init__(self, fact_store: FactStore, kv_store: TieredKvStore, profile_registry: ProfileRegistry,
                  work_queue: KvWorkQueue, kv_index: KvIndex, audits: KvAudits, worker_registry: WorkerRegistry,
-                 lease_max_facts: int, lease_seconds: float, lease_max_seconds: float, audit_share: float) -> None:
+                 lease_max_facts: int, lease_seconds: float, lease_max_seconds: float, audit_share: float,
+                 header_witnesses: int = 1) -> None:
         """`lease_max_facts`, `lease_seconds`, `lease_max_seconds`: a lease's largest size, its default length and
         the longest a worker may ask for; `audit_share`: the share of new fact KV audited (0: none; headers always
-        are)."""
+        are); `header_witnesses`: the worker identities that must agree on a new profile's header before it is
+        served (2 where the deployment has several worker credentials, 1 where one worker is trusted)."""
+        if header_witnesses not in (1, 2):
+            raise ValueError(f"header_witnesses: 1 or 2, not {header_witnesses}")
         self._fact_store = fact_store
         self._kv_store = kv_store
         self._profile_registry = profile_registry
@@ -148,6 +153,7 @@ class KvPipeline:
         self._lease_seconds = lease_seconds
         self._lease_max_seconds = lease_max_seconds
         self._audit_share = audit_share
+        self._header_witnesses = header_witnesses
         self._announced: set[str] = set()  # profiles known to the registry (skip the write on the request path)
         self._fields: dict[str, dict] = {}  # the fields of announced profiles (they never change)
         self._shapes: dict[str, KvShape] = {}  # the KV layout of profiles with KV stored (it never changes)
@@ -219,11 +225,11 @@ class KvPipeline:
         blob = await run_blocking(with_content_id, upload.blob, served)
         return dataclasses.replace(upload, key=dataclasses.replace(upload.key, content_id=served), blob=blob), barred
 
-    async def _difference(self, stored: KvEntry, stored_blob: bytes, upload: KvUpload) -> float:
-        """kv_checks.kv_difference of an upload from a stored entry, infinite when the upload's content id is not the
-        one the entry was computed under or its layout is not the entry's."""
+    async def _difference(self, stored: KvKey, stored_blob: bytes, upload: KvUpload) -> float:
+        """kv_checks.kv_difference of an upload from a stored blob (an entry's, or a candidate's) kept under `stored`,
+        infinite when the upload's content id is not the one that blob was computed under or its layout differs."""
         served, _ = await self._served(upload)
-        if served.key != stored.key or upload.shape != read_kv_header(stored_blob).kv_shape:
+        if served.key != stored or upload.shape != read_kv_header(stored_blob).kv_shape:
             return math.inf
         return await run_blocking(kv_difference, stored_blob, upload.blob)
 
@@ -237,61 +243,103 @@ class KvPipeline:
 
     async def _receive_header_locked(self, profile_id: str, upload: KvUpload,
                                      announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
-        """Refuses a barred announcer, or one that disputed the stored header already, before any comparison;
-        stores the header when none is (another replica's concurrent one wins: then it is compared with that), else
-        compares it with the stored one. A first differing header is set aside and the stored one stays served (its
-        audit by another worker asked for); a second worker's differing header withdraws the stored one, bars its
-        producer and is stored instead (its own audit to come)."""
+        """A header is served only once `header_witnesses` worker identities agree on it (within the dtype's
+        tolerance), and a stored header is never replaced by one no other identity agrees with.
+        - A barred announcer, or one that disputed the stored header already, is refused before any comparison.
+        - With a header stored: one that agrees confirms it (the audit of its producer's header passes). One that
+          differs from a confirmed header is kept aside (a dispute; the stored one stays served). One that differs
+          from an unconfirmed header withdraws it: both become candidates, and the memory is served as text.
+        - With none stored: a header that agrees with another identity's candidate is stored, the candidates that
+          differed bar their workers. Otherwise it is the announcer's candidate, stored at once only on a
+          one-witness service while no other candidate disputes it (its audit to come)."""
         barred = await run_blocking(self._audits.barred, upload.key)
         if announcer in barred:
-            return self._refused(profile_id, announcer, "barred after the header it stored was withdrawn")
+            return self._refused(profile_id, announcer, "barred after a header it stored or proposed was outvoted")
         entry = await self.header_entry(profile_id)
         stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
         if entry is None or stored is None:
-            if await self._store_header(profile_id, upload, announcer):
-                return HeaderOutcome.STORED, None
-            entry = await self.header_entry(profile_id)  # another replica stored one meanwhile: compare with it
-            stored = await run_blocking(self._kv_store.get, entry.key) if entry else None
-            if entry is None or stored is None:
-                return HeaderOutcome.UNCHANGED, None  # and it went again: the next lease asks for one
-        disputers = await run_blocking(self._audits.disputers, entry.key)
-        if announcer in disputers:
+            return await self._receive_candidate(profile_id, upload, announcer)
+        if announcer in await run_blocking(self._audits.disputers, entry.key):
             return self._refused(profile_id, announcer, "its header differed from the stored one already")
         pending = await run_blocking(self._audits.pending, entry.key)
-        auditing = pending is not None and pending.producer != announcer
-        difference = await self._difference(entry, stored, upload)
+        difference = await self._difference(entry.key, stored, upload)
         tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
         if difference <= tolerance:
-            if auditing and pending is not None and await run_blocking(self._audits.finish, pending):
+            if pending is not None and pending.producer != announcer and \
+                    await run_blocking(self._audits.finish, pending):
+                log.info("kv_header_confirmed", profile_id=profile_id, stored_by=entry.producer,
+                         confirmed_by=announcer, difference=difference)
                 return HeaderOutcome.UNCHANGED, AuditResult(entry.key, AuditOutcome.MATCH, entry.producer, announcer,
                                                             difference)
             return HeaderOutcome.UNCHANGED, None
-        if not disputers:
-            await run_blocking(self._audits.dispute, entry.key, entry.producer,
-                               QuarantinedBlob(announcer, DISPUTE_REASON, upload.blob))
+        if pending is None:  # confirmed by two identities: it stays; the differing one is kept aside
+            await run_blocking(self._audits.dispute, entry.key, QuarantinedBlob(announcer, DISPUTE_REASON,
+                                                                                upload.blob))
             log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
                         difference=difference, tolerance=tolerance,
-                        action="the newer header kept aside; the stored one stays served and is asked of a third "
-                               "worker")
+                        action="the stored header, confirmed by a second worker, stays served; the differing one "
+                               "kept aside and its worker's headers refused")
             return HeaderOutcome.CONFLICT, None
-        kept = [QuarantinedBlob(entry.producer, "header conflict: the stored header, disputed by two workers",
-                                stored)]
-        withdrawn = await run_blocking(self._kv_store.quarantine, entry.key, [entry.producer], kept)
+        # One identity against one: neither is served until another agrees with one of them.
+        candidate = QuarantinedBlob(entry.producer, CANDIDATE_REASON, stored)
+        if await run_blocking(self._kv_store.quarantine, entry.key, [], [candidate]):
+            self._shapes.pop(profile_id, None)
+        await self._propose_header(upload, announcer)
         log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
-                    disputed_before_by=disputers, difference=difference, tolerance=tolerance,
-                    action="the stored header withdrawn and kept aside, its producer barred; the newer one stored, "
-                           "its audit to come")
-        if withdrawn:
-            self._shapes.pop(profile_id, None)  # the profile's layout is the next stored header's
-            await self._store_header(profile_id, upload, announcer)
-        audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) if auditing \
-            else None
+                    difference=difference, tolerance=tolerance,
+                    action="the stored header had no second witness: withdrawn, both kept as candidates, the "
+                           "memory served as text until another worker agrees with one")
+        audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) \
+            if pending.producer != announcer else None
         return HeaderOutcome.CONFLICT, audit
 
-    async def _store_header(self, profile_id: str, upload: KvUpload, announcer: str) -> bool:
-        """Stores the header as `announcer`'s, its audit to come; False if one is stored already."""
+    async def _receive_candidate(self, profile_id: str, upload: KvUpload,
+                                 announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
+        """A header while none is stored (see _receive_header_locked)."""
+        tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
+        others = [(key, candidate) for key, candidate in await run_blocking(self._audits.header_candidates, profile_id)
+                  if candidate.worker_id != announcer]
+        for key, candidate in others:
+            difference = await self._difference(key, candidate.blob, upload)
+            if difference > tolerance:
+                continue
+            wrong = sorted({other.worker_id for _, other in others} - {announcer, candidate.worker_id})
+            # Barred first: the header is then stored under the content id that names the new bar (_served).
+            await run_blocking(self._audits.settle_header, upload.key, wrong)
+            if not await self._store_header(profile_id, upload, announcer, audit=False):
+                return HeaderOutcome.UNCHANGED, None  # another replica stored one meanwhile: the next lease compares
+            log.info("kv_header_agreed", profile_id=profile_id, proposed_by=candidate.worker_id, agreed_by=announcer,
+                     difference=difference, barred=wrong)
+            return HeaderOutcome.STORED, AuditResult(upload.key, AuditOutcome.MATCH, candidate.worker_id, announcer,
+                                                     difference)
+        if self._header_witnesses == 1 and not others:
+            if await self._store_header(profile_id, upload, announcer, audit=True):
+                return HeaderOutcome.STORED, None
+            return HeaderOutcome.UNCHANGED, None  # another replica stored one meanwhile: the next lease compares
+        await self._propose_header(upload, announcer)
+        if others:
+            log.warning("kv_header_conflict", profile_id=profile_id, differing_from=[c.worker_id for _, c in others],
+                        announcer=announcer, action="kept as a candidate: no two workers agree yet, the memory is "
+                                                    "served as text")
+            return HeaderOutcome.CONFLICT, None
+        log.info("kv_header_waiting", profile_id=profile_id, proposed_by=announcer,
+                 action="kept as a candidate until a worker of another credential agrees; the memory is served as "
+                        "text meanwhile")
+        return HeaderOutcome.WAITING, None
+
+    async def _propose_header(self, upload: KvUpload, announcer: str) -> None:
+        """Keeps the header as the announcer's candidate, as it would be stored (_served): candidates and stored
+        headers compare alike."""
         served, _ = await self._served(upload)
-        if not await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, announcer, True):
+        await run_blocking(self._audits.propose_header, served.key,
+                           QuarantinedBlob(announcer, CANDIDATE_REASON, served.blob))
+
+    async def _store_header(self, profile_id: str, upload: KvUpload, producer: str, audit: bool) -> bool:
+        """Stores the header as `producer`'s (with `audit`: unconfirmed, its audit to come); False if one is stored
+        already."""
+        served, _ = await self._served(upload)
+        if not await run_blocking(self._kv_store.put, served.key, served.blob, served.token_ids, None, producer,
+                                  audit):
             return False
         self._shapes[profile_id] = upload.shape  # the header's layout is the profile's
         return True
@@ -302,15 +350,16 @@ class KvPipeline:
         return HeaderOutcome.REFUSED, None
 
     async def header_wanted(self, profile_id: str, worker_id: str) -> bool:
-        """Whether to ask `worker_id` for the profile's header: none is stored (and the worker is not barred from
-        it), or the stored one waits for an audit by a worker other than its producer (and than a worker whose header
-        differed from it)."""
+        """Whether to ask `worker_id` for the profile's header (unless it is barred from it): none is stored and the
+        worker has no candidate yet, or the stored one waits for a second identity, neither its producer nor a worker
+        whose header differed from it."""
         header_version = KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, HEADER_VERSION, "")
         if worker_id in await run_blocking(self._audits.barred, header_version):
             return False
         entry = await self.header_entry(profile_id)
         if entry is None:
-            return True
+            candidates = await run_blocking(self._audits.header_candidates, profile_id)
+            return all(candidate.worker_id != worker_id for _, candidate in candidates)
         pending = await run_blocking(self._audits.pending, entry.key)
         return pending is not None and pending.producer != worker_id and \
             worker_id not in await run_blocking(self._audits.disputers, entry.key)
@@ -530,6 +579,10 @@ class KvPipeline:
     def audits_waiting(self) -> int:
         """Stored KV waiting for an audit (blocking)."""
         return self._audits.waiting()
+
+    def profiles_awaiting_header(self) -> int:
+        """Profiles whose memory header waits for a second worker identity (served as text meanwhile; blocking)."""
+        return self._audits.awaiting_header()
 
     def recent_workers(self, seen_within_s: float) -> list[WorkerReport]:
         """Workers that leased within the last `seen_within_s` seconds, most recent first (blocking)."""

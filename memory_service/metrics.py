@@ -98,8 +98,9 @@ class ServiceMetrics:
         for audit_outcome in ("match", "mismatch", "stale", "abandoned"):  # 0 until the first: alerts see a series
             self.kv_audits.labels(outcome=audit_outcome)
         self.kv_header_conflicts = Counter(
-            "inferscale_kv_header_conflicts", "a worker's memory header differing from the stored one (both withdrawn "
-            "and kept aside)", registry=self.registry,
+            "inferscale_kv_header_conflicts", "a worker's memory header differing from the stored one or from another "
+            "worker's candidate (kept aside; a stored one is withdrawn only while no second worker confirmed it)",
+            registry=self.registry,
         )
 
     def watch_kv(self, kv_store: TieredKvStore, kv_pipeline: KvPipeline) -> None:
@@ -173,6 +174,10 @@ class _KvCollector(Collector):
         waiting = GaugeMetricFamily("inferscale_kv_audits_waiting", "stored KV waiting for another worker's audit")
         waiting.add_metric([], self._kv_pipeline.audits_waiting())
         yield waiting
+        awaiting = GaugeMetricFamily("inferscale_kv_profiles_awaiting_header", "profiles whose memory header no two "
+                                     "worker identities agree on yet: their memory is served as text")
+        awaiting.add_metric([], self._kv_pipeline.profiles_awaiting_header())
+        yield awaiting
         lost = CounterMetricFamily("inferscale_kv_lost_blobs", "indexed blobs whose durable copy was gone when read "
                                    "(their facts are computed again)")
         lost.add_metric([], self._kv_store.lost_blobs)

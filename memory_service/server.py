@@ -52,7 +52,7 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
 
     access = AccessControl.from_file(config.auth_file)  # a bad credentials file fails the start, before it listens
     metrics = ServiceMetrics()
-    builder = ServiceBuilder(config, metrics)
+    builder = ServiceBuilder(config, metrics, access.header_witnesses)
     servicer = MemoryServicer(builder, access, metrics, config.limits)
     health = health_aio.HealthServicer()
     options = [

@@ -285,12 +285,15 @@ MEMORY_SERVICE = Dashboard(
                   (Query("max by (worker_id) (inferscale_worker_device_utilization_percent)", "{{worker_id}}"),)),
             Panel("KV audits",
                   "Stored KV another worker computed again, by outcome, and memory headers that differed from the "
-                  "stored one, per second; the audits waiting for a worker. A mismatch or a header conflict means a "
-                  "worker produced KV another computed differently: its entry is served as text until recomputed "
-                  "(alert InferScaleKvAuditMismatch).", "short",
+                  "stored one, per second; the audits waiting for a worker; the profiles whose header waits for a "
+                  "second worker credential to agree (their memory is served as text meanwhile: alert "
+                  "InferScaleHeaderAwaitingWitness). A mismatch or a header conflict means a worker produced KV "
+                  "another computed differently: its entry is served as text until recomputed (alert "
+                  "InferScaleKvAuditMismatch).", "short",
                   (Query(f"sum by (outcome) (rate(inferscale_kv_audits_total[{RATE}]))", "audited {{outcome}}"),
                    Query(f"sum(rate(inferscale_kv_header_conflicts_total[{RATE}]))", "header conflicts"),
-                   Query("max(inferscale_kv_audits_waiting)", "waiting"))),
+                   Query("max(inferscale_kv_audits_waiting)", "waiting"),
+                   Query("max(inferscale_kv_profiles_awaiting_header)", "profiles awaiting a header"))),
         )),
         Row("Fact KV read for the nodes", (
             Panel("KV bytes read by tier",

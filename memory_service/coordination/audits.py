@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inferscale_kv.kv_key import HEADER_OWNER, KvKey
+from inferscale_kv.kv_key import HEADER_FACT_ID, HEADER_OWNER, KvKey
 from memory_service.coordination.work_queue import facts_condition, not_excluded
 from memory_service.sql import Database, Transaction
 
@@ -22,6 +22,10 @@ from memory_service.sql import Database, Transaction
 ESCALATED_AUDITS_MAX = 10_000
 # kv_quarantine's reason for KV that differed from a stored entry which stayed served (KvAudits.dispute).
 DISPUTE_REASON = "header conflict: a differing header, set aside"
+# kv_quarantine's reason for a header no second worker identity has agreed with yet (KvAudits.propose_header).
+CANDIDATE_REASON = "header candidate: waiting for a second worker to agree"
+# ... and for a candidate that differed from the header two workers agreed on (KvAudits.settle_header).
+OUTVOTED_REASON = "header candidate: outvoted by two workers that agreed on another"
 
 
 @dataclass(frozen=True)
@@ -151,15 +155,46 @@ class KvAudits:
                    (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id,
                     hashlib.sha256(blob.blob).hexdigest(), blob.worker_id, blob.reason, time.time(), blob.blob))
 
-    def dispute(self, key: KvKey, producer: str, kept: QuarantinedBlob) -> None:
-        """A worker's differing KV for the entry stored under exactly `key` by `producer`: kept aside (its worker is
-        one of `disputers(key)`), and the entry audited again (by a worker neither its producer nor a disputer) if no
-        audit of it waits."""
+    def dispute(self, key: KvKey, kept: QuarantinedBlob) -> None:
+        """A worker's differing KV for the entry stored under exactly `key`, which stays served: kept aside (its worker
+        is one of `disputers(key)`)."""
         with self._database.transaction() as tx:
             self.keep_aside(tx, key, [kept])
-            tx.run("INSERT INTO kv_audits (profile_id, user_id, fact_id, version, content_id, producer, enqueued_at) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (profile_id, user_id, fact_id) DO NOTHING",
-                   (key.profile_id, key.user_id, key.fact_id, key.version, key.content_id, producer, time.time()))
+
+    def propose_header(self, key: KvKey, candidate: QuarantinedBlob) -> None:
+        """Keeps a worker's header for the profile `key` names as its candidate (never served), replacing the
+        worker's earlier candidate: one per worker identity."""
+        with self._database.transaction() as tx:
+            tx.run("DELETE FROM kv_quarantine WHERE profile_id = ? AND user_id = ? AND fact_id = ? AND worker_id = ? "
+                   "AND reason = ?", (key.profile_id, key.user_id, key.fact_id, candidate.worker_id, CANDIDATE_REASON))
+            self.keep_aside(tx, key, [candidate])
+
+    def header_candidates(self, profile_id: str) -> list[tuple[KvKey, QuarantinedBlob]]:
+        """The profile's header candidates (`propose_header`), oldest first."""
+        rows = self._database.query(
+            "SELECT version, content_id, worker_id, blob FROM kv_quarantine WHERE profile_id = ? AND user_id = ? "
+            "AND reason = ? ORDER BY quarantined_at", (profile_id, HEADER_OWNER, CANDIDATE_REASON))
+        return [(KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, version, content), QuarantinedBlob(
+            worker, CANDIDATE_REASON, bytes(blob))) for version, content, worker, blob in rows]
+
+    def settle_header(self, key: KvKey, wrong: Sequence[str]) -> None:
+        """Two worker identities agree on a header for the profile `key` names: the `wrong` workers (whose candidates
+        differed) are barred from the header and their candidates kept aside as outvoted; the others are dropped."""
+        with self._database.transaction() as tx:
+            for worker_id in wrong:
+                tx.run("UPDATE kv_quarantine SET reason = ? WHERE profile_id = ? AND user_id = ? AND reason = ? "
+                       "AND worker_id = ?", (OUTVOTED_REASON, key.profile_id, HEADER_OWNER, CANDIDATE_REASON,
+                                             worker_id))
+            tx.run("DELETE FROM kv_quarantine WHERE profile_id = ? AND user_id = ? AND reason = ?",
+                   (key.profile_id, HEADER_OWNER, CANDIDATE_REASON))
+            self.exclude(tx, key, wrong)
+
+    def awaiting_header(self) -> int:
+        """Profiles with header candidates and no stored header: their memory is served as text meanwhile."""
+        return self._database.query(
+            "SELECT count(DISTINCT q.profile_id) FROM kv_quarantine q WHERE q.user_id = ? AND q.reason = ? AND NOT "
+            "EXISTS (SELECT 1 FROM kv_entries e WHERE e.profile_id = q.profile_id AND e.user_id = q.user_id)",
+            (HEADER_OWNER, CANDIDATE_REASON))[0][0]
 
     def disputers(self, key: KvKey) -> list[str]:
         """The workers whose KV differed from the entry stored under exactly `key` (`dispute`), sorted."""

@@ -23,13 +23,14 @@ from transformers import AutoTokenizer
 from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
-from inferscale_kv.blob import KvBlobHeader, encode_kv_blob
+from inferscale_kv.blob import KvBlobHeader, decode_kv_blob, encode_kv_blob
 from inferscale_kv.call_credentials import WORKER_TOKEN_ENV
 from inferscale_kv.kv_key import content_id, header_key
 from inferscale_kv.layout import fact_token_ids, memory_header_ids
 from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from memory_service.access import token_digest
+from memory_service.kv_checks import kv_difference
 from precompute_worker.encoder import FactEncoder
 from precompute_worker.worker import PrecomputeWorker, profile_message
 from tests.conftest import run_worker
@@ -279,3 +280,76 @@ def test_a_worker_cannot_complete_another_workers_lease(audited_service, profile
             results=[_made_up_upload(profile, tokenizer, item, seed=1)]), metadata=_as("workers")).accepted == 1
         assert retrieved().kv_ready
     assert lease.lease_id not in Path(audited_service.log_path).read_text()
+
+
+WITNESS_TOKENS = {**TOKENS, **{f"workers-{name}": f"worker-{name}-secret" for name in "abcd"}}
+WITNESS_CREDENTIALS = [*CREDENTIALS[:1], *CREDENTIALS[2:], *(
+    {"name": f"workers-{name}", "role": "worker", "token_sha256": token_digest(WITNESS_TOKENS[f"workers-{name}"])}
+    for name in "abcd")]
+
+
+@pytest.fixture(scope="module", params=["one-witness", "two-witness"])
+def witnessed_service(request, tmp_path_factory) -> Iterator[tuple[MemoryServiceProcess, bool]]:
+    """Four worker credentials (a service that asks two of them to agree on a header), or none (one witness)."""
+    root = tmp_path_factory.mktemp(f"header-witnesses-{request.param}")
+    arguments: list[str] = []
+    if request.param == "two-witness":
+        (root / "credentials.json").write_text(json.dumps({"credentials": WITNESS_CREDENTIALS}))
+        arguments = ["--auth-file", str(root / "credentials.json")]
+    process = MemoryServiceProcess(root / "data", root / "service.log", *arguments).start()
+    yield process, request.param == "two-witness"
+    process.stop()
+
+
+def test_a_header_is_served_only_once_two_workers_agree_on_it(witnessed_service, profile, workers_header,
+                                                              planted_header) -> None:
+    """Regression (issue 43, the table's second row): three workers announced three different headers for one
+    profile, the first honest; at the third, the stored honest header was withdrawn and the third stored, though no
+    other worker agreed with it, and every user's kv answer changed. Now no header one worker alone vouches for
+    replaces another: the memory is served as text (no header_content_id: the node prefills the text) until two
+    workers agree, and the header they agree on is served. With several worker credentials, a new profile's first
+    header waits for a second credential's too."""
+    service, two_witness = witnessed_service
+    user = "acme/ana"
+
+    def as_worker(name: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {WITNESS_TOKENS[name]}"),) if two_witness else ()
+
+    def announce(name: str, header: bytes) -> None:
+        stub.AnnounceProfile(pb.AnnounceProfileRequest(profile=profile, role=pb.PROFILE_ROLE_WORKER,
+                                                       announcer_id=name, header_kv=header), metadata=as_worker(name))
+
+    def served() -> bytes:
+        node = (("authorization", f"Bearer {TOKENS['nodes']}"),) if two_witness else ()
+        response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user, query="boat", top_k=1,
+                                                                    profile=profile, node_id="n1"), metadata=node)
+        if not response.header_content_id:
+            return b""
+        (reply,) = stub.FetchKv(pb.FetchKvRequest(profile_id=profile.profile_id, user_id=user, include_header=True,
+                                                  header_content_id=response.header_content_id), metadata=node)
+        return reply.blob
+
+    def header_wanted(name: str) -> bool:
+        return stub.LeaseKvWork(pb.LeaseKvWorkRequest(worker_id=name, profile_id=profile.profile_id),
+                                metadata=as_worker(name)).header_kv_wanted
+
+    honest = decode_kv_blob(workers_header)
+    other = encode_kv_blob(honest.header, honest.keys + 0.5, honest.values)  # neither the honest nor the planted one
+    with service.channel() as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        stub.IngestFacts(pb.IngestFactsRequest(user_id=user, facts=[pb.FactInput(text="Ana sails a boat.")]),
+                         metadata=(("authorization", f"Bearer {TOKENS['acme']}"),) if two_witness else ())
+        announce("workers-a", workers_header)
+        assert served() == (b"" if two_witness else workers_header)  # several credentials: one alone is not enough
+        announce("workers-b", planted_header)
+        announce("workers-c", other)
+        assert served() == b""  # no two workers agree: text, never a header one worker alone vouches for
+        assert header_wanted("workers-d")
+        announce("workers-d", workers_header)  # agrees with workers-a
+        assert kv_difference(served(), workers_header) == 0.0
+        for name in "abcd":  # settled: nobody is asked again, and the outvoted are barred
+            assert not header_wanted(f"workers-{name}")
+        announce("workers-b", planted_header)
+        announce("workers-c", planted_header)  # even two barred workers that agree replace nothing
+        assert kv_difference(served(), workers_header) == 0.0
+    assert _metric(service, "inferscale_kv_profiles_awaiting_header") == 0
