@@ -102,7 +102,7 @@ class ScenarioKv:
         self.fault = ""  # "" | "fail" | "slow" | "gate" (waits for `gate`)
         self.gate = threading.Event()
 
-    def fetch(self, user_id, chunks, dtype):
+    def fetch(self, user_id, chunks, dtype, *, user_token=""):
         self.threads.append(threading.current_thread().name)
         if self.fault == "fail":
             raise LookupError("injected: the memory service is unreachable")
@@ -110,7 +110,7 @@ class ScenarioKv:
             time.sleep(SLOW_FETCH_S)
         if self.fault == "gate":
             self.gate.wait(60)
-        return self.base(user_id, chunks, dtype)
+        return self.base(user_id, chunks, dtype, user_token=user_token)
 
 
 def main(mode: str, args: list[str]) -> None:
@@ -166,7 +166,7 @@ def main(mode: str, args: list[str]) -> None:
     assert scheduler is not None and worker is not None
     directory = scheduler._directory
 
-    def local_fetch(user, chunks, in_dtype) -> list[CachedKv]:
+    def local_fetch(user, chunks, in_dtype, *, user_token="") -> list[CachedKv]:
         return [CachedKv(local_kv[chunk.key.content_id].keys.to("cpu", in_dtype).contiguous(),
                          local_kv[chunk.key.content_id].values.to("cpu", in_dtype).contiguous(), chunk.token_ids)
                 for chunk in chunks]

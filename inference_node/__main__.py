@@ -132,6 +132,9 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
         durable = durable_blobs(settings.kv_durable_tier)
     except ValueError as error:
         raise SystemExit(f"inference_node: {error}") from None
+    if durable is not None and settings.user_token_header:
+        raise SystemExit("inference_node: --kv-durable-tier reads every user's KV from the store itself, around the "
+                         "user tokens --user-token-header forwards: use one or the other")
     if isinstance(durable, DirectoryBlobs) and not durable.root.is_dir():
         raise SystemExit(f"inference_node: --kv-durable-tier: {durable.root} is not a directory")
     if settings.recompute_tail_facts < 0:

@@ -197,7 +197,8 @@ class FetchProcessKv:
         with self._lock:
             self._running()
 
-    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
+    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype, *,
+              user_token: str = "") -> list[CachedKv]:
         """As KvSource.fetch, within one deadline (`timeout_s` from now, plus ANSWER_MARGIN_S for the child's answer)
         however many parts of the arena it takes."""
         if len({chunk.key for chunk in chunks}) != len(chunks):
@@ -208,12 +209,12 @@ class FetchProcessKv:
         part_bytes = 0
         for chunk in chunks:
             if part and part_bytes + self._size(chunk, dtype) > self._part_bytes:
-                fetched += self._fetch_part(user_id, part, dtype, deadline)
+                fetched += self._fetch_part(user_id, user_token, part, dtype, deadline)
                 part, part_bytes = [], 0
             part.append(chunk)
             part_bytes += self._size(chunk, dtype)
         if part:
-            fetched += self._fetch_part(user_id, part, dtype, deadline)
+            fetched += self._fetch_part(user_id, user_token, part, dtype, deadline)
         return fetched
 
     @property
@@ -226,14 +227,14 @@ class FetchProcessKv:
         """Bytes of the chunk's keys and values at this rank's shape."""
         return self.rank_shape.elements_per_token() * len(chunk.token_ids) * dtype.itemsize
 
-    def _fetch_part(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
+    def _fetch_part(self, user_id: str, user_token: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
                     deadline: float) -> list[CachedKv]:
         sizes = [self._size(chunk, dtype) for chunk in chunks]
         offsets = self._arena.allocate(sizes, max(0.0, deadline - time.monotonic()))
         pending = _Pending(offsets, sizes)
         try:
             child, request_id = self._send(pending, {
-                "user_id": user_id, "dtype": str(dtype).removeprefix("torch."),
+                "user_id": user_id, "user_token": user_token, "dtype": str(dtype).removeprefix("torch."),
                 "timeout_s": max(0.001, deadline - time.monotonic()),
                 "chunks": [{"key": [chunk.key.profile_id, chunk.key.user_id, chunk.key.fact_id, chunk.key.version,
                                     chunk.key.content_id],
@@ -396,7 +397,8 @@ def _serve(arguments: argparse.Namespace) -> None:
             chunks = [ChunkLoad(KvKey(*item["key"]), tuple(item["token_ids"]), 0) for item in request["chunks"]]
             into = [region(item["offset"], item["size"], len(chunk.token_ids), dtype)
                     for item, chunk in zip(request["chunks"], chunks, strict=True)]
-            source.fetch(request["user_id"], chunks, dtype, into, timeout_s=request["timeout_s"])
+            source.fetch(request["user_id"], chunks, dtype, into, timeout_s=request["timeout_s"],
+                         user_token=request["user_token"])
         except Exception as error:  # answered: the worker raises it again
             name = type(error).__name__
             answer["error"] = {"type": name if name in _ERRORS else "KvFetchFailed", "message": f"{name}: {error}"}

@@ -126,7 +126,8 @@ class MemoryServiceKv:
         self._reader_pool: ThreadPoolExecutor | None = None
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
-              into: Sequence[torch.Tensor] | None = None, timeout_s: float | None = None) -> list[CachedKv]:
+              into: Sequence[torch.Tensor] | None = None, timeout_s: float | None = None, *,
+              user_token: str = "") -> list[CachedKv]:
         """Every chunk's KV (this rank's heads) in host memory in `dtype`, contiguous, in chunk order, within
         `timeout_s` (else the source's); raises (LookupError, CorruptKvBlob, grpc.RpcError, ...) if any chunk
         cannot be had, ValueError if a key is named twice. With `into` (one contiguous [2, layers, tokens, heads,
@@ -145,7 +146,7 @@ class MemoryServiceKv:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise TimeoutError(f"the durable tier's reads took the fetch's {timeout_s:.1f} s")
-            fetched.update(self._fetch_streams(user_id, rest, dtype, buffers, left_s))
+            fetched.update(self._fetch_streams(user_id, user_token, rest, dtype, buffers, left_s))
         return [fetched[chunk.key] for chunk in chunks]
 
     def _read_durable(self, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
@@ -183,7 +184,7 @@ class MemoryServiceKv:
             raise CorruptKvBlob(f"{chunk.key}: a blob of another key or other tokens was stored under its name")
         return CachedKv(kv.keys, kv.values, kv.header.token_ids)
 
-    def _fetch_streams(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
+    def _fetch_streams(self, user_id: str, user_token: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype,
                        buffers: dict[KvKey, torch.Tensor], timeout_s: float) -> dict[KvKey, CachedKv]:
         """`chunks` over the concurrent FetchKv calls, split between them in order."""
         ordered = sorted(chunks, key=lambda chunk: not chunk.key.is_header)  # the header, if any, first
@@ -192,23 +193,25 @@ class MemoryServiceKv:
                   for index in range(count)]
         fetches, pool = self._connections()
         state = _Streams()
-        futures = [pool.submit(self._fetch_group, fetches[index], user_id, group, dtype, state, buffers, timeout_s)
-                   for index, group in enumerate(groups[1:], start=1)]
-        fetched = self._fetch_group(fetches[0], user_id, groups[0], dtype, state, buffers, timeout_s)
+        futures = [pool.submit(self._fetch_group, fetches[index], user_id, user_token, group, dtype, state, buffers,
+                               timeout_s) for index, group in enumerate(groups[1:], start=1)]
+        fetched = self._fetch_group(fetches[0], user_id, user_token, groups[0], dtype, state, buffers, timeout_s)
         for future in futures:
             fetched.update(future.result())
         if state.error is not None:
             raise state.error
         return fetched
 
-    def _fetch_group(self, fetch: Callable[..., Any], user_id: str, group: Sequence[ChunkLoad], dtype: torch.dtype,
-                     state: _Streams, buffers: dict[KvKey, torch.Tensor], timeout_s: float) -> dict[KvKey, CachedKv]:
+    def _fetch_group(self, fetch: Callable[..., Any], user_id: str, user_token: str, group: Sequence[ChunkLoad],
+                     dtype: torch.dtype, state: _Streams, buffers: dict[KvKey, torch.Tensor],
+                     timeout_s: float) -> dict[KvKey, CachedKv]:
         """One FetchKv call for `group` (the header first, if in it), each blob checked and decoded as it comes; what
         it fetched before the first failure of any stream (which `state` keeps, cancelling every stream)."""
         header = group[0] if group[0].key.is_header else None
         facts = group[1:] if header else group
         request = pb.FetchKvRequest(
-            profile_id=group[0].key.profile_id, user_id=user_id, include_header=header is not None,
+            profile_id=group[0].key.profile_id, user_id=user_id, user_token=user_token,
+            include_header=header is not None,
             header_content_id=header.key.content_id if header else "",
             facts=[pb.FactRef(fact_id=c.key.fact_id, version=c.key.version, content_id=c.key.content_id)
                    for c in facts])

@@ -65,6 +65,7 @@ class MemoryRequest:
     kv_crossover_tokens: int  # kv mode: a shorter injectable memory is served as text
     retrieval: str = ""  # RETRIEVAL_MODES, or "": the memory service's default
     max_tokens: int = 0  # the most tokens the facts' lines may take together; 0: no cap
+    user_token: str = ""  # the gateway's token for the user (--user-token-header), not a field of `memory`
 
 
 def _int_field(memory: dict, name: str, default: int, low: int, high: int) -> int:

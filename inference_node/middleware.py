@@ -19,6 +19,7 @@ A pure ASGI middleware (vLLM `--middleware inference_node.middleware.MemoryMiddl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -131,6 +132,12 @@ class MemoryMiddleware:
             # client cannot reach any other user's memory, whatever its body says.
             raise RequestRefused(f"memory.user_id: must be the user named by the {self.settings.user_header} "
                                  "header, sent exactly once", status=403)
+        if self.settings.user_token_header and memory.mode != "off":
+            token = _single_header(scope, self.settings.user_token_header)
+            if not token:
+                raise RequestRefused(f"{self.settings.user_token_header}: the user token your gateway mints, sent "
+                                     "exactly once, is required with memory", status=401)
+            memory = dataclasses.replace(memory, user_token=token)
         question = question_of(payload, path, memory)
         REQUESTS.labels(mode=memory.mode).inc()
         summary: dict[str, Any] = {"mode": memory.mode}

@@ -98,7 +98,7 @@ class MemoryPlacement:
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
         if inject:
-            signed = self._signer.sign(plan.plan, warm_up_facts(retrieved.warm_up))
+            signed = self._signer.sign(plan.plan, warm_up_facts(retrieved.warm_up), memory.user_token)
             members["kv_transfer_params"] = signed.kv_transfer_params_json
             payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)

@@ -15,6 +15,9 @@ HMACs of its canonical JSON): {"inferscale": {"plan": {...}, "sig": "<hex>"}}, p
 A plan may carry a warm-up: more of the user's facts, in the facts' wire form, for the connector to fetch into the
 node's host tier for the user's next requests (never loaded on their account): "warm": [...], "warm_sig": "<hex>",
 an HMAC of the plan's canonical JSON and the warm-up's, so it is bound to its plan and leaves the plan's salt as it is.
+Beside them, "user_token": the gateway's token for the request's user, which the connector forwards with FetchKv to a
+memory service that binds node reads to users (unsigned: the service verifies it, and only the middleware writes
+kv_transfer_params).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ PLAN_VERSION = 1
 RESERVED_SALT_PREFIX = "isk-"
 _CONTENT_ID = re.compile(r"[0-9a-f]{32}")
 MIN_SECRET_BYTES = 16
+USER_TOKEN_KEY = "user_token"
 _PLAN_FIELDS = {"v", "profile_id", "user_id", "header", "facts"}
 _HEADER_FIELDS = {"content_id", "token_ids"}
 _FACT_FIELDS = {"fact_id", "version", "content_id", "token_ids"}
@@ -169,6 +173,7 @@ class ProvenPrefix:
     user_id: str
     chunks: tuple[ChunkLoad, ...]
     end: int
+    user_token: str = ""  # the gateway's token for the user ("" without one): forwarded with the fetches
 
     def chunks_from(self, start: int) -> tuple[ChunkLoad, ...]:
         """The chunks that hold prompt positions at or after `start`."""
@@ -191,6 +196,13 @@ class SignedPlan:
         return json.loads(self.kv_transfer_params_json)
 
 
+def user_token_of(params: object) -> str:
+    """The user token beside the plan in `params` ("" when none, or not a string). Never raises."""
+    signed = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    token = signed.get(USER_TOKEN_KEY) if isinstance(signed, dict) else None
+    return token if isinstance(token, str) else ""
+
+
 class PlanSigner:
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
@@ -201,9 +213,9 @@ class PlanSigner:
     def _salt(self, canonical: bytes) -> str:
         return RESERVED_SALT_PREFIX + self._mac(b"salt", canonical)[:32]
 
-    def sign(self, plan: LoadPlan, warm_up: Sequence[PlanFact] = ()) -> SignedPlan:
-        """The plan's signed wire form (with its warm-up, if any) and its cache salt, from one canonical form (the
-        request path's cost)."""
+    def sign(self, plan: LoadPlan, warm_up: Sequence[PlanFact] = (), user_token: str = "") -> SignedPlan:
+        """The plan's signed wire form (with its warm-up, if any, and the user's token beside it) and its cache salt,
+        from one canonical form (the request path's cost)."""
         canonical = _canonical(plan.to_wire())
         signature = self._mac(b"plan", canonical).encode()
         warm = b""
@@ -211,6 +223,8 @@ class PlanSigner:
             warm_canonical = _canonical({"warm": facts_to_wire(warm_up)})
             warm = b',"warm":%s,"warm_sig":"%s"' % (warm_canonical[len(b'{"warm":'):-1],
                                                    self._mac(b"warm", canonical + b"\0" + warm_canonical).encode())
+        if user_token:
+            warm += b',"%s":%s' % (USER_TOKEN_KEY.encode(), json.dumps(user_token).encode())
         params = b'{"%s":{"plan":%s,"sig":"%s"%s}}' % (PARAMS_KEY.encode(), canonical, signature, warm)
         return SignedPlan(params, self._salt(canonical))
 
@@ -279,7 +293,8 @@ class PlanSigner:
         return verified[0] if verified is not None else None
 
 
-def provable_prefix(prompt_token_ids: Sequence[int], plan: LoadPlan, profile_id: str) -> ProvenPrefix:
+def provable_prefix(prompt_token_ids: Sequence[int], plan: LoadPlan, profile_id: str,
+                    user_token: str = "") -> ProvenPrefix:
     """The prompt prefix whose KV a verified plan supplies: the header and then each fact whose token ids equal the
     prompt's at its offset, up to the first chunk that does not (or whose content id is malformed); never the last
     prompt token. A plan of another profile, of no user or of the header's owner proves nothing."""
@@ -298,7 +313,7 @@ def provable_prefix(prompt_token_ids: Sequence[int], plan: LoadPlan, profile_id:
         offset += len(token_ids)
     if not chunks:
         return NO_PREFIX
-    return ProvenPrefix(plan.user_id, tuple(chunks), min(offset, len(prompt_token_ids) - 1))
+    return ProvenPrefix(plan.user_id, tuple(chunks), min(offset, len(prompt_token_ids) - 1), user_token)
 
 
 def warm_up_chunks(warm_up: Sequence[PlanFact], plan: LoadPlan, profile_id: str) -> tuple[ChunkLoad, ...]:

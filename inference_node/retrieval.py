@@ -46,6 +46,8 @@ _DROP_REASON_OF_CODE = {grpc.StatusCode.DEADLINE_EXCEEDED: DROP_DEADLINE, grpc.S
 # query embedding) is the node's configuration disagreeing with the service: the memory is dropped (reason error).
 _REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _REQUEST_FIELD_OF = {"user_id": "memory.user_id", "top_k": "memory.top_k", "retrieval": "memory.retrieval"}
+# The service refusing the user token the request's gateway header carried (RetrieveAndStageRequest.user_token).
+_USER_TOKEN_FIELD = "user_token"
 RETRIEVE_BATCH_CALLS = Histogram("inferscale_node_retrieve_batch_calls", "RetrieveAndStage calls per RPC sent to the "
                                  "memory service (1: sent alone)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 # Calls (batches) to the memory service a node keeps under way; a call that arrives while this many are waits for
@@ -244,6 +246,7 @@ class MemoryRetriever:
         warm_facts = self._warm_facts(memory)
         request = pb.RetrieveAndStageRequest(user_id=memory.user_id, query=query, top_k=memory.top_k + warm_facts,
                                              profile=self._profile, node_id=self.settings.node_id,
+                                             user_token=memory.user_token,
                                              retrieval=RETRIEVAL_MODES.get(memory.retrieval,
                                                                            pb.RETRIEVAL_MODE_UNSPECIFIED))
         if self._query_embedder is not None and memory.retrieval != "keyword":  # keyword ranks the text alone
@@ -260,7 +263,7 @@ class MemoryRetriever:
                 request.top_k, warm_facts = memory.top_k, 0
                 response = await batcher.call(request)
         except grpc.aio.AioRpcError as exc:
-            refused = _refused_by_service(exc, path)
+            refused = _refused_by_service(exc, path, self.settings.user_token_header)
             if refused is not None:
                 raise refused from None
             dropped = Dropped(_DROP_REASON_OF_CODE.get(exc.code(), DROP_ERROR), exc.code())
@@ -283,13 +286,17 @@ class MemoryRetriever:
         return max(0, min(self.settings.warm_facts, HYBRID_CANDIDATES - memory.top_k))
 
 
-def _refused_by_service(error: grpc.aio.AioRpcError, path: str) -> RequestRefused | None:
+def _refused_by_service(error: grpc.aio.AioRpcError, path: str, user_token_header: str) -> RequestRefused | None:
     """The request refused (400, named by its own field, with the service's message) when the memory service
     refused a value the request gave (INVALID_ARGUMENT or RESOURCE_EXHAUSTED: e.g. a top_k past its --max-top-k, a
-    query past its --max-query-chars); None for any other failure."""
+    query past its --max-query-chars), or 403 (named by `user_token_header`) when it refused the request's user
+    token; None for any other failure."""
+    details = error.details() or ""
+    if error.code() == grpc.StatusCode.PERMISSION_DENIED and leading_field(details) == _USER_TOKEN_FIELD:
+        return RequestRefused(f"{user_token_header or _USER_TOKEN_FIELD}: the memory service refused the user token "
+                              f"({details[:500]})", status=403)
     if error.code() not in _REFUSAL_CODES:
         return None
-    details = error.details() or ""
     service_field = leading_field(details)
     question_field = "prompt" if path == "/v1/completions" else "messages"
     field = question_field if service_field == "query" else _REQUEST_FIELD_OF.get(service_field)

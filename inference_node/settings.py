@@ -85,6 +85,11 @@ class NodeSettings:
     user_header: str = option(
         "", help="request header naming the caller's user (set by your authenticating gateway); when set, "
         "memory.user_id must equal it")
+    # When set, a request with memory must carry the header exactly once (HTTP 401 otherwise).
+    user_token_header: str = option(
+        "", help="request header holding the short-lived user token your gateway mints for the user it "
+        "authenticated (a JWT): forwarded with RetrieveAndStage and FetchKv to a memory service that binds node "
+        "reads to users (its --user-token-public-key-file); empty: none sent")
 
     @property
     def profile_id(self) -> str:

@@ -39,6 +39,8 @@ from google.protobuf.message import Message
 from inferscale_kv.call_credentials import AUTHORIZATION_KEY, BEARER_PREFIX
 from memory_service.config import ConfigError
 from memory_service.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from memory_service.user_tokens import TOKEN_FIELD as USER_TOKEN_FIELD
+from memory_service.user_tokens import UserTokens
 
 # The RPCs each role may call. Apps own their users' data; nodes read it on the request path; workers fill in KV.
 ROLE_METHODS: dict[str, frozenset[str]] = {
@@ -122,10 +124,13 @@ CALLER: ContextVar[Principal] = ContextVar("caller", default=OPEN_ACCESS)
 
 
 class AccessControl:
-    """Authenticates calls by their bearer token. Without credentials every call is admitted (development)."""
+    """Authenticates calls by their bearer token and authorizes them for the users they name. Without credentials
+    every call is admitted (development). With `user_tokens`, a node reads only the user a valid user token of the
+    call names (memory_service.user_tokens)."""
 
-    def __init__(self, principals: Iterable[Principal] = ()) -> None:
+    def __init__(self, principals: Iterable[Principal] = (), user_tokens: UserTokens | None = None) -> None:
         self.principals = tuple(principals)
+        self.user_tokens = user_tokens
 
     @property
     def enabled(self) -> bool:
@@ -140,7 +145,7 @@ class AccessControl:
         return 2 if writers >= 2 else 1
 
     @classmethod
-    def from_file(cls, path: Path | None) -> AccessControl:
+    def from_file(cls, path: Path | None, user_tokens: UserTokens | None = None) -> AccessControl:
         if path is None:
             return cls()
         try:
@@ -155,7 +160,15 @@ class AccessControl:
             raise ConfigError(f"--auth-file {path}: credential names must be unique")
         if len({principal.token_sha256 for principal in principals}) != len(principals):
             raise ConfigError(f"--auth-file {path}: two credentials share a token")
-        return cls(principals)
+        return cls(principals, user_tokens)
+
+    def authorize(self, principal: Principal, method: str, request: Message) -> None:
+        """Raises PermissionDenied unless `principal` may call `method` for the users `request` names
+        (Principal.authorize) and, where user tokens are required, holds a valid one naming the request's user."""
+        principal.authorize(method, request)
+        if self.user_tokens is not None and "user_id" in request.DESCRIPTOR.fields_by_name:
+            self.user_tokens.authorize(principal.role, method, request.user_id,
+                                       getattr(request, USER_TOKEN_FIELD, ""))
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Principal:
         """The caller named by the call's metadata entries: exactly one `authorization` entry, whose value is exactly

@@ -93,6 +93,14 @@ class ServiceConfig:
     optimize_after_writes: int = option(1000, help="compact sooner once this many writes wait (a bulk import)")
     auth_file: Path | None = option(
         None, help="credentials (JSON; see memory_service/access.py); unset: every caller is admitted")
+    user_token_public_key_file: Path | None = option(
+        None, help="user-bound node access: the public key (PEM: RSA, P-256 or Ed25519) of the gateway that mints "
+        "each request's user token (a JWT; see memory_service/user_tokens.py); a node then reads only the user a "
+        "valid token of that call names; unset: a node credential reads any user")
+    user_token_issuer: str = option("", help="the `iss` the gateway's user tokens carry (required with the key)")
+    user_token_audience: str = option("inferscale-memory", help="the `aud` the gateway's user tokens carry")
+    user_token_max_lifetime_s: float = option(
+        900.0, help="the longest a user token may live (exp - iat): a longer one is refused")
     tls_cert_file: Path | None = option(
         None, help="serve gRPC over TLS with this certificate chain (PEM); unset: plaintext")
     tls_key_file: Path | None = option(None, help="the certificate's private key")
@@ -158,6 +166,9 @@ class ServiceConfig:
             raise ConfigError("--kv-lease-seconds, --kv-lease-max-facts, --kv-max-attempts: must be at least 1")
         if self.kv_lease_seconds > self.kv_lease_max_seconds:
             raise ConfigError("--kv-lease-seconds: longer than --kv-lease-max-seconds")
+        if self.user_token_public_key_file and not self.auth_file:
+            raise ConfigError("--user-token-public-key-file: needs --auth-file (user tokens bind node credentials; "
+                              "without access control there are none)")
         if not 0.0 <= self.kv_audit_share <= 1.0:
             raise ConfigError(f"--kv-audit-share: {self.kv_audit_share} is not a share between 0 and 1")
         if self.log_level not in {"debug", "info", "warning", "error"}:

@@ -84,7 +84,7 @@ def rpc(handler: Handler) -> Handler:
             if isinstance(request, UnparsableRequest):
                 principal.authorize_method(method)
                 raise InvalidArgument(request.field, f"{request.problem}: not a valid {request.message_type}")
-            principal.authorize(method, request)
+            self.access.authorize(principal, method, request)
             CALLER.set(principal)
             if not self.ready:
                 raise NotReady("the memory service is starting; retry shortly")

@@ -21,6 +21,7 @@ from memory_service.config import ServiceConfig
 from memory_service.metrics import ServiceMetrics
 from memory_service.rpc import add_to_server
 from memory_service.servicer import MemoryServicer
+from memory_service.user_tokens import UserTokens
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +51,11 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    access = AccessControl.from_file(config.auth_file)  # a bad credentials file fails the start, before it listens
+    # A bad credentials file or user-token key fails the start, before it listens.
+    user_tokens = UserTokens.from_file(config.user_token_public_key_file, config.user_token_issuer,
+                                       config.user_token_audience, config.user_token_max_lifetime_s) \
+        if config.user_token_public_key_file else None
+    access = AccessControl.from_file(config.auth_file, user_tokens)
     metrics = ServiceMetrics()
     builder = ServiceBuilder(config, metrics, access.header_witnesses)
     servicer = MemoryServicer(builder, access, metrics, config.limits)
@@ -85,7 +90,8 @@ async def serve(config: ServiceConfig, stop: asyncio.Event | None = None) -> Non
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     log.info("listening", port=port, metrics_port=config.metrics_port, health_port=config.health_port,
-             tls="mutual" if config.tls_client_ca_file else bool(credentials), access_control=access.enabled)
+             tls="mutual" if config.tls_client_ca_file else bool(credentials), access_control=access.enabled,
+             user_bound_nodes=user_tokens is not None)
 
     try:
         build = asyncio.create_task(builder.build())

@@ -265,7 +265,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         structlog.contextvars.bind_contextvars(user_id=call.user_id[:128])  # this call's task only
         code, message, response = grpc.StatusCode.OK, "", None
         try:
-            CALLER.get().authorize("RetrieveAndStage", call)
+            self.access.authorize(CALLER.get(), "RetrieveAndStage", call)
             async with running:
                 response = await self._retrieve_and_stage(call)
         except MemoryServiceError as error:

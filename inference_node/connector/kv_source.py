@@ -29,11 +29,13 @@ class KvSource(Protocol):
     processes_started: int  # fetch processes started so far (0 for a source that runs none)
     durable_reads: int  # of the chunks fetched so far, those read from the memory service's durable tier
 
-    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
+    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype, *,
+              user_token: str = "") -> list[CachedKv]:
         """Every chunk's KV (this rank's heads) in host memory in `dtype`, contiguous, in chunk order; raises
         (LookupError, CorruptKvBlob, KvFetchFailed, TimeoutError, ValueError, ...) if any chunk cannot be had (the
         request prefills it instead). Thread-safe: fetch threads call it. The caller (residency.KvResidency) checks
-        each entry's shape and puts it in the node's tiers."""
+        each entry's shape and puts it in the node's tiers. `user_token`: the gateway's token of the request the
+        chunks are fetched for, forwarded to a memory service that binds node reads to users."""
         ...
 
     def close(self) -> None:
@@ -56,7 +58,8 @@ class SyntheticKv:
         self.processes_started = 0
         self.durable_reads = 0
 
-    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype) -> list[CachedKv]:
+    def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], dtype: torch.dtype, *,
+              user_token: str = "") -> list[CachedKv]:
         return [self._random(chunk, dtype) for chunk in chunks]
 
     def close(self) -> None:

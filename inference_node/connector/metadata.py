@@ -46,6 +46,7 @@ class PrefetchSpec:
     start_within_s: float = math.inf
     keep_on_host: frozenset[KvKey] = frozenset()
     to_device: bool = True
+    user_token: str = ""  # the gateway's token of the request it is fetched for (memory_service/user_tokens.py)
 
 
 @dataclass

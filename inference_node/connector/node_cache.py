@@ -275,7 +275,8 @@ class NodeCacheDirectory:
                 from_source += size
         return from_host, from_source
 
-    def prefetch(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> bool:
+    def prefetch(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float,
+                 user_token: str = "") -> bool:
         """Orders `chunks` (neither resident nor being fetched) fetched into every rank's device tier, evicting least
         recently used chunks that no request holds to make room; False, changing nothing, if they cannot fit. Those
         the host tier lacks stay in it too where it has room (evicting its least recently used chunks). The fetch
@@ -296,7 +297,8 @@ class NodeCacheDirectory:
             self._device.reserve(chunk.key, _Resident(size, chunk.token_ids))
             if self._reserve_on_host(chunk, size):
                 keep_on_host.append(chunk.key)
-        self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s, frozenset(keep_on_host)))
+        self._prefetches.append(PrefetchSpec(user_id, tuple(unique), wait_s, frozenset(keep_on_host),
+                                             user_token=user_token))
         return True
 
     def promote(self, chunks: Sequence[ChunkLoad]) -> bool:
@@ -322,7 +324,7 @@ class NodeCacheDirectory:
         self._promotions.extend(unique)
         return True
 
-    def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float) -> int:
+    def warm(self, user_id: str, chunks: Sequence[ChunkLoad], now: float, wait_s: float, user_token: str = "") -> int:
         """Orders those of `chunks` that neither tier holds nor anyone fetches brought into every rank's host tier
         only, as many as fit; returns how many were ordered. A warm-up takes free room or the room of warmed chunks
         no request used yet, never a chunk a request used; warmed chunks enter as the least recently used."""
@@ -342,7 +344,8 @@ class NodeCacheDirectory:
             ordered.append(chunk)
         if ordered:
             self._prefetches.append(PrefetchSpec(user_id, tuple(ordered), wait_s,
-                                                 frozenset(chunk.key for chunk in ordered), to_device=False))
+                                                 frozenset(chunk.key for chunk in ordered), to_device=False,
+                                                 user_token=user_token))
         return len(ordered)
 
     def host_bytes(self, size: int) -> int:

@@ -80,7 +80,7 @@ class KvResidency:
 
     def fetch(self, user_id: str, chunks: Sequence[ChunkLoad], device: torch.device, dtype: torch.dtype,
               compute_stream: torch.cuda.Stream | None, keep_on_host: Collection[KvKey] = (),
-              to_device: bool = True) -> FetchCounts:
+              to_device: bool = True, user_token: str = "") -> FetchCounts:
         """Puts every chunk the device tier lacks into it (this rank's heads, on `device` in `dtype`), all or none,
         taking each from the host tier when it holds it and from the KV source otherwise; those of `keep_on_host`
         fetched from the source also stay in the host tier. With `to_device` False, only brings the chunks of
@@ -97,7 +97,7 @@ class KvResidency:
         copied = self._to_device(list(on_host.values()), device, compute_stream) if to_device else []
         host_seconds = time.perf_counter() - copied_at
         started = time.perf_counter()
-        fetched = self._fetch(user_id, from_source, dtype) if from_source else []
+        fetched = self._fetch(user_id, from_source, dtype, user_token=user_token) if from_source else []
         if len(fetched) != len(from_source):
             raise ValueError(f"the KV source gave {len(fetched)} entries for {len(from_source)} chunks")
         for chunk, entry in zip(from_source, fetched, strict=True):

@@ -85,6 +85,7 @@ from inference_node.plan import (
     ProvenPrefix,
     plan_secret_from_env,
     provable_prefix,
+    user_token_of,
     warm_up_chunks,
 )
 from inference_node.settings import NodeSettings
@@ -183,18 +184,19 @@ class InferScaleScheduler:
             elif getattr(request, "lora_request", None) is not None:
                 self._refuse(request, "LoRA request (fact KV is the base model's)")
             else:
-                proof = provable_prefix(request.prompt_token_ids or [], verified[0], self.profile_id)
-                self._warm_up(request, verified[0])
+                user_token = user_token_of(request.kv_transfer_params)
+                proof = provable_prefix(request.prompt_token_ids or [], verified[0], self.profile_id, user_token)
+                self._warm_up(request, verified[0], user_token)
         self._proofs[request.request_id] = proof
         return proof
 
-    def _warm_up(self, request: Request, plan: LoadPlan) -> None:
+    def _warm_up(self, request: Request, plan: LoadPlan, user_token: str) -> None:
         """Orders the plan's signed warm-up (the user's next facts) into the host tier: once per request, into its
         free room only, on a fetch thread of its own (never in front of a request's fetch)."""
         chunks = warm_up_chunks(self._signer.verified_warm_up(request.kv_transfer_params), plan, self.profile_id)
         if chunks:
             self._stats.add("warmed_chunks", self._directory.warm(plan.user_id, chunks, self._clock(),
-                                                                  self._fetch_wait_s))
+                                                                  self._fetch_wait_s, user_token))
 
     def _refuse(self, request: Request, why: str) -> None:
         self._stats.add("plans_refused")
@@ -264,7 +266,7 @@ class InferScaleScheduler:
             return self._resident_prefix(admission, proof, chunks, missing, first_missing)
         self._hold(admission, chunks)
         to_fetch = [chunk for chunk in missing if directory.fetch_id(chunk.key) is None]
-        if to_fetch and not directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s):
+        if to_fetch and not directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s, proof.user_token):
             self._serve_partially(request_id)  # no room to bring them: its resident prefix, at once
             return self._resident_prefix(admission, proof, chunks, missing, first_missing)
         admission.waited.update({chunk.key: fetch_id for chunk in missing
@@ -326,9 +328,10 @@ class InferScaleScheduler:
                     and not directory.is_on_host(chunk)
                     and not directory.recently_failed(chunk.key, now, BACKGROUND_RETRY_S)]
         if to_fetch and directory.host_budget_bytes:
-            self._stats.add("warmed_chunks", directory.warm(proof.user_id, to_fetch, now, self._fetch_wait_s))
+            self._stats.add("warmed_chunks", directory.warm(proof.user_id, to_fetch, now, self._fetch_wait_s,
+                                                            proof.user_token))
         elif to_fetch:
-            directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s)
+            directory.prefetch(proof.user_id, to_fetch, now, self._fetch_wait_s, proof.user_token)
         return min(proof.end, first_missing)
 
     def _fall_back(self, request: Request, why: str) -> None:

@@ -159,7 +159,7 @@ class InferScaleWorker:
         if time.monotonic() > start_by:
             raise TimeoutError(f"no fetch thread free within {spec.start_within_s:.1f} s")
         return self._residency.fetch(spec.user_id, spec.chunks, device, self._dtype, compute_stream,
-                                     spec.keep_on_host, spec.to_device)
+                                     spec.keep_on_host, spec.to_device, spec.user_token)
 
     def build_worker_meta(self) -> PrefetchReport | None:
         """The prefetches that finished since the last step, fetched or failed (engine thread: only polls)."""

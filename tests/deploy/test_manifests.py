@@ -182,9 +182,10 @@ def test_memory_service_config_loader_accepts_the_manifest_and_serves_on_its_por
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     commented = dict(re.findall(r"# (INFERSCALE_\w+): (\S+)", (REPO_ROOT / "deploy/k8s/10-config.yaml").read_text()))
     assert set(commented) == {"INFERSCALE_AUTH_FILE", "INFERSCALE_TLS_CERT_FILE", "INFERSCALE_TLS_KEY_FILE",
-                              "INFERSCALE_TLS_CLIENT_CA_FILE"}
-    for variable, path in commented.items():  # each commented-out setting names a flag and a path in a mount
-        assert Path(path).parent.as_posix() in mounts, variable
+                              "INFERSCALE_TLS_CLIENT_CA_FILE", "INFERSCALE_USER_TOKEN_PUBLIC_KEY_FILE",
+                              "INFERSCALE_USER_TOKEN_ISSUER"}
+    for variable, path in commented.items():  # each commented-out setting names a flag; a file, one in a mount
+        assert not variable.endswith("_FILE") or Path(path).parent.as_posix() in mounts, variable
     assert _unknown_prefixed_variables(commented, service_config.ENV_PREFIX, service_config.build_parser()) == []
     ports = _container_ports(container)
     assert ports == {"grpc": loaded.port, "metrics": loaded.metrics_port, "health": loaded.health_port}

@@ -151,14 +151,16 @@ def test_a_load_of_chunks_the_node_cache_lacks_fails_without_fetching(layers) ->
 
 
 class _Source:
-    """A KV source that records the threads it is called on and gives what `make` returns."""
+    """A KV source that records the threads it is called on and the user tokens it is given, and gives what `make`
+    returns."""
 
     def __init__(self, make) -> None:
-        self.make, self.threads = make, list[str]()
+        self.make, self.threads, self.user_tokens = make, list[str](), list[str]()
         self.processes_started = self.durable_reads = 0
 
-    def fetch(self, user_id, chunks, dtype):
+    def fetch(self, user_id, chunks, dtype, *, user_token=""):
         self.threads.append(threading.current_thread().name)
+        self.user_tokens.append(user_token)
         return self.make(chunks)
 
     def close(self) -> None:
@@ -267,6 +269,23 @@ def test_each_rank_checks_its_own_head_shard(layers) -> None:
     assert _prefetch(worker, layers).fetched
     full = _worker_with(_Source(lambda chunks: synthetic_half.fetch("u1", chunks, torch.float32)))
     assert _prefetch(full, layers).failed  # a rank holding every head refuses half of them
+
+
+def test_a_prefetch_hands_its_requests_user_token_to_the_source(layers) -> None:
+    """The gateway's token of the request travels with its prefetch (and a warm-up's) to the KV source, which
+    forwards it with FetchKv to a service that binds node reads to users."""
+    synthetic = SyntheticKv(KvShape(LAYERS, KV_HEADS, HEAD_DIM))
+    source = _Source(lambda chunks: synthetic.fetch("u1", chunks, torch.float32))
+    worker = _worker_with(source)
+    keys = frozenset(chunk.key for chunk in CHUNKS[1:])
+    worker.start_load_kv(InferScaleConnectorMetadata(prefetches=[
+        PrefetchSpec("u1", CHUNKS[:1], user_token="token-a"),
+        PrefetchSpec("u1", CHUNKS[1:], keep_on_host=keys, to_device=False, user_token="token-b")]),
+        _forward_context(layers))
+    deadline = time.monotonic() + 30
+    while len(source.user_tokens) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(source.user_tokens) == ["token-a", "token-b"]
 
 
 def test_a_chunk_evicted_from_the_device_tier_comes_back_from_the_host_tier_not_the_source(layers) -> None:

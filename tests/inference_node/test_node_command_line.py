@@ -24,7 +24,7 @@ PUBLISHED_FLAGS = {
     "--memory-top-k": 20, "--synchronous-loads": "auto",
     "--kv-crossover-tokens": "measured", "--recompute-tail-facts": 0, "--retrieve-timeout-s": 2.0,
     "--fetch-timeout-s": 10.0, "--load-stats-path": "", "--embed-queries-locally": False,
-    "--embedding-model": "all-MiniLM-L6-v2", "--user-header": "", "--dry-run": False,
+    "--embedding-model": "all-MiniLM-L6-v2", "--user-header": "", "--user-token-header": "", "--dry-run": False,
 }
 
 
