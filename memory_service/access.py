@@ -36,7 +36,7 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from inferscale_kv.call_credentials import AUTHORIZATION_KEY, BEARER_PREFIX
+from inferscale_kv.call_credentials import AUTHORIZATION_KEY
 from memory_service.config import ConfigError
 from memory_service.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from memory_service.user_tokens import TOKEN_FIELD as USER_TOKEN_FIELD
@@ -56,8 +56,11 @@ ROLES = frozenset(ROLE_METHODS) | {"admin"}
 # Between a worker credential's name and one of its processes in the worker ids it claims (`workers-a/gpu-0`).
 WORKER_PROCESS_SEPARATOR = "/"
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9._:@+/=-]+")
-# One bearer token (RFC 6750's b64token) after the scheme: no list of tokens, no spaces, nothing after it.
-_BEARER_TOKEN = re.compile(re.escape(BEARER_PREFIX) + r"([A-Za-z0-9._~+/-]+=*)")
+# A token as RFC 6750 writes one (b64token): the only tokens a credentials file may name
+# (`python -m memory_service.access` refuses others).
+TOKEN_PATTERN = r"[A-Za-z0-9._~+/-]+=*"
+# One bearer token after the scheme (any case, RFC 7235): no list of tokens, no spaces, nothing after it.
+_BEARER_TOKEN = re.compile(r"(?i:bearer) (" + TOKEN_PATTERN + ")")
 
 
 def token_digest(token: str) -> str:
@@ -172,8 +175,9 @@ class AccessControl:
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Principal:
         """The caller named by the call's metadata entries: exactly one `authorization` entry, whose value is exactly
-        `Bearer <token>` (one RFC 6750 token); Unauthenticated otherwise. Two entries are refused even without access
-        control, where no credential is checked: no call is answered for one credential while carrying another."""
+        `Bearer <token>` (the scheme in any case, one RFC 6750 token); Unauthenticated otherwise. Two entries are
+        refused even without access control, where no credential is checked: no call is answered for one credential
+        while carrying another."""
         values = [value for key, value in metadata if key == AUTHORIZATION_KEY]
         if len(values) > 1:
             raise Unauthenticated(f"{len(values)} `authorization` metadata entries: send exactly one credential")
@@ -223,4 +227,8 @@ def _principal(entry: object, index: int, path: Path) -> Principal:
 
 
 if __name__ == "__main__":
-    print(token_digest(sys.stdin.readline().rstrip("\n")))
+    token = sys.stdin.readline().rstrip("\n")
+    if not re.fullmatch(TOKEN_PATTERN, token):
+        sys.exit("a token is letters, digits and -._~+/ (then '=' padding, if any): RFC 6750's form, which "
+                 "`authorization: Bearer <token>` carries")
+    print(token_digest(token))

@@ -4,11 +4,12 @@ messages into checked records (memory_service.validation); what KV must be is me
 
 The audit: a share of new fact KV (sampled per user and completion, so that an auditor encodes the sampled facts of a
 conversation window together) and every header is computed again by another worker and compared within the storage
-dtype's tolerance (memory_service.kv_checks). Until then the entry is served. A fact's mismatch withdraws it (the fact
-is served as text), keeps both blobs aside, bars both workers from the fact and queues it for a third, and has every
-entry either worker stored audited. A differing header is a conflict: the first is set aside and the stored header
-stays served until a third worker decides (a second differing header withdraws it and bars its producer). A worker is
-not told it audits: audits are lease items (a header audit is a header_kv_wanted), and its upload is compared instead
+dtype's tolerance (memory_service.kv_checks). Until then a fact's entry is served. A fact's mismatch withdraws it (the
+fact is served as text), keeps both blobs aside, bars both workers from the fact and queues it for a third, and has
+every entry either worker stored audited. A header needs two witnesses (_receive_header_locked): none is replaced by
+one no other worker identity agrees with, and, where several worker credentials exist, none is served before a second
+identity agrees with the first; until two agree the profile's memory is served as text. A worker is not told it
+audits: audits are lease items (a header audit is a header_kv_wanted), and its upload is compared instead
 of stored. Workers are told apart by the identity their credential binds (access.Principal.worker_identity)."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from memory_service.blocking import run_blocking
 from memory_service.coordination.audits import CANDIDATE_REASON, DISPUTE_REASON, Audit, KvAudits, QuarantinedBlob
 from memory_service.coordination.kv_index import KvEntry, KvIndex
 from memory_service.coordination.profiles import ProfileRegistry
-from memory_service.coordination.work_queue import Job, KvWorkQueue
+from memory_service.coordination.work_queue import LEASE_ID, Job, KvWorkQueue
 from memory_service.coordination.workers import WorkerDevice, WorkerRegistry, WorkerReport
 from memory_service.errors import InvalidArgument, NotFound, NotLeaseHolder
 from memory_service.fact_store import FactStore
@@ -104,7 +105,7 @@ class KvWorkLease:
     expires_at: float  # seconds since the epoch
     facts: list[StoredFact]
     turns_by_user: dict[str, list[StoredTurn]]  # each user's turns up to the latest source turn of its facts
-    header_wanted: bool  # the worker should announce the profile's header KV (none is stored, or one waits for audit)
+    header_wanted: bool  # the worker should announce the profile's header KV (header_wanted says when)
     audits_abandoned: int  # audits given up by this call (leased too often without a result: entries withdrawn)
 
 
@@ -164,9 +165,9 @@ class KvPipeline:
 
     async def announce(self, profile: AnnouncedProfile, header_kv: KvUpload | None = None,
                        announcer: str = "") -> Announcement:
-        """Registers a profile and receives its header KV when given (from a worker, `announcer`: stored when none
-        is, else compared with the stored one); a new profile gets every stored fact queued. A header that does not
-        fit the profile raises InvalidArgument before anything changes."""
+        """Registers a profile and receives its header KV when given (from a worker, `announcer`: as a candidate or
+        stored, confirming or disputing the stored one: _receive_header_locked); a new profile gets every stored fact
+        queued. A header that does not fit the profile raises InvalidArgument before anything changes."""
         header, audit = await self._receive_header(profile, header_kv, announcer) if header_kv else (None, None)
         if profile.profile_id in self._announced:
             return Announcement(0, header, audit)
@@ -272,7 +273,12 @@ class KvPipeline:
                 return HeaderOutcome.UNCHANGED, AuditResult(entry.key, AuditOutcome.MATCH, entry.producer, announcer,
                                                             difference)
             return HeaderOutcome.UNCHANGED, None
-        if pending is None:  # confirmed by two identities: it stays; the differing one is kept aside
+        if pending is not None and pending.producer == announcer:
+            return self._refused(profile_id, announcer, "its header differs from the one it stored, which no second "
+                                 "worker has confirmed yet")
+        # Withdrawing an unconfirmed header consumes its audit: a replica confirming it at once either finished it
+        # first (the header is confirmed: kept) or finds it gone (this withdrawal decided).
+        if pending is None or not await run_blocking(self._audits.finish, pending):
             await run_blocking(self._audits.dispute, entry.key, QuarantinedBlob(announcer, DISPUTE_REASON,
                                                                                 upload.blob))
             log.warning("kv_header_conflict", profile_id=profile_id, stored_by=entry.producer, differing_from=announcer,
@@ -289,36 +295,38 @@ class KvPipeline:
                     difference=difference, tolerance=tolerance,
                     action="the stored header had no second witness: withdrawn, both kept as candidates, the "
                            "memory served as text until another worker agrees with one")
-        audit = AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer, difference) \
-            if pending.producer != announcer else None
-        return HeaderOutcome.CONFLICT, audit
+        return HeaderOutcome.CONFLICT, AuditResult(entry.key, AuditOutcome.MISMATCH, entry.producer, announcer,
+                                                   difference)
 
     async def _receive_candidate(self, profile_id: str, upload: KvUpload,
                                  announcer: str) -> tuple[HeaderOutcome, AuditResult | None]:
-        """A header while none is stored (see _receive_header_locked)."""
+        """A header while none is stored (see _receive_header_locked). The announcer's candidate is kept before the
+        others are read, so that of two replicas receiving agreeing headers at once at least one sees the other's;
+        only candidates found to differ from the agreed header bar their workers."""
         tolerance = AUDIT_TOLERANCES[upload.storage_dtype]
-        others = [(key, candidate) for key, candidate in await run_blocking(self._audits.header_candidates, profile_id)
-                  if candidate.worker_id != announcer]
-        for key, candidate in others:
-            difference = await self._difference(key, candidate.blob, upload)
-            if difference > tolerance:
-                continue
-            wrong = sorted({other.worker_id for _, other in others} - {announcer, candidate.worker_id})
-            # Barred first: the header is then stored under the content id that names the new bar (_served).
-            await run_blocking(self._audits.settle_header, upload.key, wrong)
-            if not await self._store_header(profile_id, upload, announcer, audit=False):
-                return HeaderOutcome.UNCHANGED, None  # another replica stored one meanwhile: the next lease compares
-            log.info("kv_header_agreed", profile_id=profile_id, proposed_by=candidate.worker_id, agreed_by=announcer,
-                     difference=difference, barred=wrong)
-            return HeaderOutcome.STORED, AuditResult(upload.key, AuditOutcome.MATCH, candidate.worker_id, announcer,
-                                                     difference)
-        if self._header_witnesses == 1 and not others:
+        if self._header_witnesses == 1 and not await self._other_candidate_workers(profile_id, announcer):
             if await self._store_header(profile_id, upload, announcer, audit=True):
                 return HeaderOutcome.STORED, None
             return HeaderOutcome.UNCHANGED, None  # another replica stored one meanwhile: the next lease compares
         await self._propose_header(upload, announcer)
+        others = [(key, candidate) for key, candidate in await run_blocking(self._audits.header_candidates, profile_id)
+                  if candidate.worker_id != announcer]
+        differences = {candidate.worker_id: await self._difference(key, candidate.blob, upload)
+                       for key, candidate in others}
+        agreeing = sorted((difference, worker) for worker, difference in differences.items()
+                          if difference <= tolerance)
+        if agreeing:
+            difference, witness = agreeing[0]
+            wrong = sorted(worker for worker, apart in differences.items() if apart > tolerance)
+            # Barred first: the header is then stored under the content id that names the new bar (_served).
+            await run_blocking(self._audits.settle_header, upload.key, wrong)
+            if not await self._store_header(profile_id, upload, announcer, audit=False):
+                return HeaderOutcome.UNCHANGED, None  # another replica stored one meanwhile: the next lease compares
+            log.info("kv_header_agreed", profile_id=profile_id, proposed_by=witness, agreed_by=announcer,
+                     difference=difference, barred=wrong)
+            return HeaderOutcome.STORED, AuditResult(upload.key, AuditOutcome.MATCH, witness, announcer, difference)
         if others:
-            log.warning("kv_header_conflict", profile_id=profile_id, differing_from=[c.worker_id for _, c in others],
+            log.warning("kv_header_conflict", profile_id=profile_id, differing_from=sorted(differences),
                         announcer=announcer, action="kept as a candidate: no two workers agree yet, the memory is "
                                                     "served as text")
             return HeaderOutcome.CONFLICT, None
@@ -326,6 +334,10 @@ class KvPipeline:
                  action="kept as a candidate until a worker of another credential agrees; the memory is served as "
                         "text meanwhile")
         return HeaderOutcome.WAITING, None
+
+    async def _other_candidate_workers(self, profile_id: str, worker_id: str) -> list[str]:
+        return [worker for worker in await run_blocking(self._audits.header_candidate_workers, profile_id)
+                if worker != worker_id]
 
     async def _propose_header(self, upload: KvUpload, announcer: str) -> None:
         """Keeps the header as the announcer's candidate, as it would be stored (_served): candidates and stored
@@ -358,8 +370,7 @@ class KvPipeline:
             return False
         entry = await self.header_entry(profile_id)
         if entry is None:
-            candidates = await run_blocking(self._audits.header_candidates, profile_id)
-            return all(candidate.worker_id != worker_id for _, candidate in candidates)
+            return worker_id not in await run_blocking(self._audits.header_candidate_workers, profile_id)
         pending = await run_blocking(self._audits.pending, entry.key)
         return pending is not None and pending.producer != worker_id and \
             worker_id not in await run_blocking(self._audits.disputers, entry.key)
@@ -466,7 +477,7 @@ class KvPipeline:
         given to `worker_id` (another worker's, or never issued) raises NotLeaseHolder, and uploads not stored as the
         profile's kv_dtype, or laid out otherwise than its stored KV, raise InvalidArgument, before anything is
         stored. Failures return their jobs (and audits) to the queue (or mark them failed)."""
-        if await run_blocking(self._work_queue.holder, lease_id) != worker_id:
+        if not LEASE_ID.fullmatch(lease_id) or await run_blocking(self._work_queue.holder, lease_id) != worker_id:
             raise NotLeaseHolder(f"lease_id: not a lease held by worker {worker_id!r} (a lease is completed only by "
                                  "the worker identity it was given to)")
         fields = await self._profile_fields(profile_id)

@@ -355,7 +355,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         worker_id = validate_id(request.worker_id, "worker_id")
         profile_id = validate_id(request.profile_id, "profile_id")
         uploads = validate_fact_kv(request.results, profile_id)
-        failures = [(Job(profile_id, f.user_id, f.fact_id, f.version), f.error) for f in request.failures]
+        failures = [(Job(profile_id, validate_id(f.user_id, f"failures[{index}].user_id"),
+                         validate_id(f.fact_id, f"failures[{index}].fact_id"), f.version), f.error.replace("\0", ""))
+                    for index, f in enumerate(request.failures)]
         counts = await self._operations.complete_kv_work(profile_id, request.lease_id, uploads, failures, worker_id,
                                                          CALLER.get())
         return pb.CompleteKvWorkResponse(accepted=counts.accepted, duplicates=counts.duplicates, stale=counts.stale)

@@ -75,7 +75,7 @@ class PrecomputeWorker:
             worker_id=self.worker_id, profile_id=self.profile.profile_id, max_facts=self.max_facts,
             lease_seconds=self.lease_seconds, facts_per_second=self.stats.facts_per_second,
             device=pb.WorkerDevice(**dataclasses.asdict(reading)) if reading else None))
-        if lease.header_kv_wanted:  # none is stored, or the stored one waits for another worker's audit
+        if lease.header_kv_wanted:  # none is served and this worker proposed none, or one waits for a 2nd worker
             try:
                 self.announce()
             except grpc.RpcError as exc:  # the lease is worked on all the same (it expires otherwise)

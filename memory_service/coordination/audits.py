@@ -177,6 +177,12 @@ class KvAudits:
         return [(KvKey(profile_id, HEADER_OWNER, HEADER_FACT_ID, version, content), QuarantinedBlob(
             worker, CANDIDATE_REASON, bytes(blob))) for version, content, worker, blob in rows]
 
+    def header_candidate_workers(self, profile_id: str) -> list[str]:
+        """The workers with a header candidate for the profile (`propose_header`), without their blobs."""
+        return [worker for (worker,) in self._database.query(
+            "SELECT DISTINCT worker_id FROM kv_quarantine WHERE profile_id = ? AND user_id = ? AND reason = ?",
+            (profile_id, HEADER_OWNER, CANDIDATE_REASON))]
+
     def settle_header(self, key: KvKey, wrong: Sequence[str]) -> None:
         """Two worker identities agree on a header for the profile `key` names: the `wrong` workers (whose candidates
         differed) are barred from the header and their candidates kept aside as outvoted; the others are dropped."""

@@ -47,6 +47,7 @@ TABLES = (
     # coordination.work_queue (version 4): who holds each lease
     "CREATE TABLE IF NOT EXISTS kv_leases (lease_id TEXT PRIMARY KEY, holder TEXT NOT NULL, "
     "expires DOUBLE PRECISION NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS kv_leases_by_expiry ON kv_leases (expires)",
 )
 # Columns added to version-1 tables, by the version that added them.
 UPGRADES = {

@@ -5,6 +5,7 @@ marked failed. A job leaves the queue when its KV is recorded (coordination.kv_i
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -18,6 +19,8 @@ QUEUED, LEASED, FAILED = "queued", "leased", "failed"
 # How long a lease's holder is remembered after the lease expired: a completion that comes later (a worker stalled for
 # a day) is refused as not the caller's, like a lease never issued.
 LEASE_HOLDER_RETENTION_S = 24 * 3600
+# What a lease id looks like (uuid4().hex): anything else names no lease.
+LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)

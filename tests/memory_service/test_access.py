@@ -58,15 +58,29 @@ def _write(directory: Path, credentials: list[dict]) -> Path:
 def test_authenticate_returns_the_credential_whose_token_was_presented():
     access = _access()
     assert access.authenticate(_bearer("globex-app")).name == "globex-app"
+    assert access.authenticate((("authorization", f"bearer {TOKENS['acme-app']}"),)).name == "acme-app"
     assert access.authenticate(_bearer("ops")).role == "admin"
 
 
 @pytest.mark.parametrize("value", [None, "acme-secret", "Bearer wrong", "Bearer ", "Bearer acme-secret ",
                                    "Bearer acme-secret, Bearer globex-secret", "Bearer acme-secret globex-secret",
-                                   "bearer acme-secret", "Basic acme-secret"])
+                                   "Bearer\tacme-secret", "Basic acme-secret"])
 def test_authenticate_rejects_missing_malformed_and_unknown_tokens(value):
     with pytest.raises(Unauthenticated):
         _access().authenticate(() if value is None else (("authorization", value),))
+
+
+def test_the_digest_tool_takes_only_tokens_a_bearer_header_can_carry():
+    import subprocess
+    import sys
+
+    def digest(token: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "memory_service.access"], input=token + "\n", text=True,
+                              capture_output=True, timeout=60)
+
+    assert digest("acme-secret").stdout.strip() == token_digest("acme-secret")
+    refused = digest("two words")
+    assert refused.returncode != 0 and "RFC 6750" in refused.stderr
 
 
 def test_without_credentials_every_caller_is_admitted_as_admin():

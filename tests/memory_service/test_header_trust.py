@@ -259,14 +259,21 @@ def test_a_worker_cannot_complete_another_workers_lease(audited_service, profile
         lease = _lease(stub, profile, "workers/a", "workers")
         (item,) = [item for item in lease.items if item.user_id == user]
         before = _metric(audited_service, "inferscale_kv_foreign_lease_completions_total")
-        for lease_id in (lease.lease_id, "never-issued"):
+        for lease_id in (lease.lease_id, "never-issued", "0" * 31 + "\0", "f" * 32):
             with pytest.raises(grpc.RpcError) as raised:
                 stub.CompleteKvWork(pb.CompleteKvWorkRequest(
                     lease_id=lease_id, worker_id="workers-b", profile_id=profile.profile_id,
                     results=[_made_up_upload(profile, tokenizer, item, seed=43)]), metadata=_as("workers-b"))
             assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED, raised.value.details()
             assert "lease_id" in raised.value.details()
-        assert _metric(audited_service, "inferscale_kv_foreign_lease_completions_total") == before + 2
+        assert _metric(audited_service, "inferscale_kv_foreign_lease_completions_total") == before + 4
+        with pytest.raises(grpc.RpcError) as raised:  # a failure must name a valid user and fact
+            stub.CompleteKvWork(pb.CompleteKvWorkRequest(
+                lease_id=lease.lease_id, worker_id="workers/a", profile_id=profile.profile_id,
+                failures=[pb.FactKvFailure(user_id="\0", fact_id=item.fact_id, version=item.version, error="x")]),
+                metadata=_as("workers"))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("failures[0].user_id")
 
         def retrieved() -> pb.RetrievedFact:
             response = stub.RetrieveAndStage(pb.RetrieveAndStageRequest(

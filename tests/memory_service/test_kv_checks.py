@@ -214,6 +214,8 @@ def test_an_unconfirmed_header_a_worker_disputes_is_withdrawn_and_the_header_two
     first, second, third = _header(profile, seed=0), _header(profile, seed=1), _header(profile, seed=2)
     _announce(stub, profile, first, "w-a")
     assert _served_header(stub, profile) == first  # a one-witness service: served until disputed
+    _announce(stub, profile, third, "w-a")  # its own producer cannot withdraw it: refused, nothing changes
+    assert _served_header(stub, profile) == first and _quarantined(memory_service, profile) == []
     assert _header_wanted(stub, profile, "w-b")
     _announce(stub, profile, second, "w-b")  # one against one: neither is served
     assert _served_header(stub, profile) == b""
