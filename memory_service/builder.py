@@ -111,7 +111,9 @@ class ServiceBuilder:
         self._made("user writes", user_writes.close)
         fact_store = FactStore(location, user_writes, coordination.store_meta, config.embedding_model, embedder.dim,
                                lancedb_cache_bytes=config.lancedb_cache_mb << 20)
+        opening = time.perf_counter()
         await fact_store.open()
+        log.info("fact_store_opened", store=location.describe(), seconds=round(time.perf_counter() - opening, 3))
 
         if config.kv_gpu_budget_mb:
             log.warning("deprecated_option", option="--kv-gpu-budget-mb", reason="the service keeps no KV on a GPU: "
