@@ -132,6 +132,9 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
         durable = durable_blobs(settings.kv_durable_tier)
     except ValueError as error:
         raise SystemExit(f"inference_node: {error}") from None
+    if settings.user_token_header and "--enable-log-requests" in vllm_args:
+        raise SystemExit("inference_node: --enable-log-requests logs each request's kv_transfer_params, the user "
+                         "token --user-token-header forwards among them: use one or the other")
     if durable is not None and settings.user_token_header:
         raise SystemExit("inference_node: --kv-durable-tier reads every user's KV from the store itself, around the "
                          "user tokens --user-token-header forwards: use one or the other")

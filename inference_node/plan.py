@@ -28,7 +28,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -173,7 +173,7 @@ class ProvenPrefix:
     user_id: str
     chunks: tuple[ChunkLoad, ...]
     end: int
-    user_token: str = ""  # the gateway's token for the user ("" without one): forwarded with the fetches
+    user_token: str = field(default="", repr=False)  # the gateway's token for the user: forwarded with the fetches
 
     def chunks_from(self, start: int) -> tuple[ChunkLoad, ...]:
         """The chunks that hold prompt positions at or after `start`."""

@@ -292,8 +292,10 @@ def _refused_by_service(error: grpc.aio.AioRpcError, path: str, user_token_heade
     query past its --max-query-chars), or 403 (named by `user_token_header`) when it refused the request's user
     token; None for any other failure."""
     details = error.details() or ""
-    if error.code() == grpc.StatusCode.PERMISSION_DENIED and leading_field(details) == _USER_TOKEN_FIELD:
-        return RequestRefused(f"{user_token_header or _USER_TOKEN_FIELD}: the memory service refused the user token "
+    # Without --user-token-header the node sent none: the node's configuration, not the request, is at fault.
+    if (user_token_header and error.code() == grpc.StatusCode.PERMISSION_DENIED
+            and leading_field(details) == _USER_TOKEN_FIELD):
+        return RequestRefused(f"{user_token_header}: the memory service refused the user token "
                               f"({details[:500]})", status=403)
     if error.code() not in _REFUSAL_CODES:
         return None

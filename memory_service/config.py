@@ -100,7 +100,7 @@ class ServiceConfig:
     user_token_issuer: str = option("", help="the `iss` the gateway's user tokens carry (required with the key)")
     user_token_audience: str = option("inferscale-memory", help="the `aud` the gateway's user tokens carry")
     user_token_max_lifetime_s: float = option(
-        900.0, help="the longest a user token may live (exp - iat): a longer one is refused")
+        300.0, help="the longest a user token may live (exp - iat): a longer one is refused")
     tls_cert_file: Path | None = option(
         None, help="serve gRPC over TLS with this certificate chain (PEM); unset: plaintext")
     tls_key_file: Path | None = option(None, help="the certificate's private key")

@@ -46,7 +46,9 @@ class PrefetchSpec:
     start_within_s: float = math.inf
     keep_on_host: frozenset[KvKey] = frozenset()
     to_device: bool = True
-    user_token: str = ""  # the gateway's token of the request it is fetched for (memory_service/user_tokens.py)
+    # The gateway's token of the request it is fetched for (memory_service/user_tokens.py); never in a repr: vLLM
+    # prints scheduler output, connector metadata included, when its engine fails.
+    user_token: str = field(default="", repr=False)
 
 
 @dataclass

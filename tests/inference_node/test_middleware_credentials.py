@@ -20,6 +20,7 @@ from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from tests.conftest import own_memory_service
 from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _write
+from tests.memory_service.test_user_tokens import user_bound_memory_service
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,19 @@ def test_without_a_token_the_request_is_answered_without_memory(guarded_service,
     forwarded, summary = _serve_one(guarded_service, tiny_llama_dir, monkeypatch)
     assert summary["error"] == "memory service: UNAUTHENTICATED"
     assert all("Pimenta" not in str(message.get("content")) for message in forwarded["messages"])
+
+
+@pytest.fixture(scope="module")
+def user_bound_service(tmp_path_factory):
+    with user_bound_memory_service(tmp_path_factory, "user-bound-node") as service:
+        yield service
+
+
+def test_a_node_without_the_user_token_header_drops_the_memory_instead_of_blaming_the_request(
+        user_bound_service, tiny_llama_dir, monkeypatch, node_plan_secret):
+    """A service binding node reads to user tokens, a node not told to forward them (--user-token-header unset): the
+    node's configuration is at fault, so the request is answered without memory (reason error), not refused 403."""
+    monkeypatch.setenv(NODE_TOKEN_ENV, TOKENS["nodes"])
+    forwarded, summary = _serve_one(user_bound_service, tiny_llama_dir, monkeypatch)
+    assert summary["error"] == "memory service: PERMISSION_DENIED"
+    assert all("Maya" not in str(message.get("content")) for message in forwarded["messages"])

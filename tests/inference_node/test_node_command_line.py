@@ -144,6 +144,16 @@ def test_a_durable_tier_the_node_cannot_read_is_refused_naming_the_flag(tiny_lla
         node_main.plan_launch(["--model", str(tiny_llama_dir), "--kv-durable-tier", location])
 
 
+@pytest.mark.parametrize(("flags", "why"), [
+    (["--kv-durable-tier", "s3://bucket/kv"], "--kv-durable-tier reads every user's KV"),
+    (["--enable-log-requests"], "--enable-log-requests logs"),
+])
+def test_user_tokens_are_refused_beside_what_would_bypass_or_log_them(tiny_llama_dir, flags, why) -> None:
+    with pytest.raises(SystemExit, match=why):
+        node_main.plan_launch(["--model", str(tiny_llama_dir), "--user-token-header", "x-inferscale-user-token",
+                               *flags])
+
+
 def test_a_missing_model_folder_is_refused_naming_the_flag(tmp_path) -> None:
     with pytest.raises(SystemExit, match="--model: .* is not a local model folder"):
         node_main.plan_launch(["--model", str(tmp_path / "absent")])

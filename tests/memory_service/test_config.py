@@ -20,7 +20,7 @@ PUBLISHED_FLAGS = {
     "--kv-max-attempts": 3, "--kv-audit-share": 0.05,
     "--retrieval-mode": "hybrid", "--search-cache-mb": 256, "--lancedb-cache-mb": 128, "--optimize-interval-s": 300.0,
     "--optimize-after-writes": 1000, "--auth-file": None, "--user-token-public-key-file": None,
-    "--user-token-issuer": "", "--user-token-audience": "inferscale-memory", "--user-token-max-lifetime-s": 900.0,
+    "--user-token-issuer": "", "--user-token-audience": "inferscale-memory", "--user-token-max-lifetime-s": 300.0,
     "--tls-cert-file": None,
     "--tls-key-file": None,
     "--tls-client-ca-file": None, "--health-port": 0, "--log-level": "info", "--coordination-url": "",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import jwt
@@ -19,9 +20,10 @@ from harness.memory_service import MemoryServiceProcess
 from inferscale.v1 import memory_pb2 as pb
 from inferscale.v1 import memory_pb2_grpc
 from inferscale_kv.profile import kv_profile_id
+from memory_service.access import ROLE_METHODS
 from memory_service.config import ConfigError
 from memory_service.errors import PermissionDenied
-from memory_service.user_tokens import UserTokens
+from memory_service.user_tokens import CLOCK_SKEW_S, USER_BOUND_METHODS, UserTokens
 from tests.conftest import own_memory_service
 from tests.memory_service.test_access import CREDENTIALS, _metadata, _write
 
@@ -59,16 +61,33 @@ def test_a_valid_token_names_its_user(verifier):
     mint("acme/maya", iss="https://evil.example"), mint("acme/maya", aud="another-service"),
     mint("acme/maya", lifetime_s=3600), mint("acme/maya", issued_ago_s=-600, lifetime_s=60),
     mint("acme/maya", exp=None), mint("acme/maya", iat=None), mint("acme/maya", sub=None),
+    mint("acme/maya", aud=[AUDIENCE, "another-service"]), "x" * 9000,
     jwt.encode({"sub": "acme/maya", "iss": ISSUER, "aud": AUDIENCE, "iat": int(time.time()),
                 "exp": int(time.time()) + 60}, None, algorithm="none"),
     # The public key as an HMAC secret (algorithm confusion): the algorithm is the key's, never the token's.
     jwt.encode({"sub": "acme/maya", "iss": ISSUER, "aud": AUDIENCE, "iat": int(time.time()),
                 "exp": int(time.time()) + 60}, b"x" * 32, algorithm="HS256"),
 ], ids=["empty", "garbage", "other-key", "expired", "issuer", "audience", "too-long", "future", "no-exp", "no-iat",
-        "no-sub", "alg-none", "alg-hs256"])
+        "no-sub", "audience-list", "huge", "alg-none", "alg-hs256"])
 def test_any_other_token_is_permission_denied_naming_the_field(verifier, token):
     with pytest.raises(PermissionDenied, match="^user_token: "):
         verifier.user_of(token)
+
+
+def test_a_verified_token_is_remembered_until_it_expires(verifier, monkeypatch):
+    token = mint("acme/maya", lifetime_s=60)
+    assert verifier.user_of(token) == "acme/maya"
+    monkeypatch.setattr(UserTokens, "_verify", lambda self, token: pytest.fail("verified again"))
+    assert verifier.user_of(token) == "acme/maya"  # remembered: no second signature check
+    later = time.time() + 60 + CLOCK_SKEW_S + 1
+    monkeypatch.setattr(time, "time", lambda: later)
+    with pytest.raises(pytest.fail.Exception):  # expired: checked again (and refused by then)
+        verifier.user_of(token)
+
+
+def test_every_node_rpc_that_names_a_user_is_bound_to_its_token():
+    """A user-data RPC added to the node role later must be bound too (or named here on purpose)."""
+    assert ROLE_METHODS["node"] - USER_BOUND_METHODS == {"RetrieveAndStageBatch", "AnnounceProfile"}
 
 
 def test_only_node_reads_are_bound_to_a_user_token(verifier):
@@ -100,11 +119,13 @@ def _profile() -> pb.KvProfile:
     return profile
 
 
-@pytest.fixture(scope="module")
-def user_bound_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
-    root = tmp_path_factory.mktemp("user-bound")
+@contextmanager
+def user_bound_memory_service(tmp_path_factory, name: str) -> Iterator[MemoryServiceProcess]:
+    """A memory service with access control (test_access's credentials) binding node reads to the gateway's user
+    tokens, holding one fact of acme/maya and one of acme/lee."""
+    root = tmp_path_factory.mktemp(name)
     (root / "gateway.pem").write_bytes(_public_pem(GATEWAY_KEY))
-    with own_memory_service(tmp_path_factory, "user-bound", "--auth-file", str(_write(root, CREDENTIALS)),
+    with own_memory_service(tmp_path_factory, name, "--auth-file", str(_write(root, CREDENTIALS)),
                             "--user-token-public-key-file", str(root / "gateway.pem"),
                             "--user-token-issuer", ISSUER) as service:
         with service.channel() as channel:
@@ -112,6 +133,12 @@ def user_bound_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
             for user_id, text in (("acme/maya", "Maya keeps bees."), ("acme/lee", "Lee's door code is 4711.")):
                 stub.IngestFacts(pb.IngestFactsRequest(user_id=user_id, facts=[pb.FactInput(text=text)]),
                                  metadata=_metadata("acme-app"))
+        yield service
+
+
+@pytest.fixture(scope="module")
+def user_bound_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
+    with user_bound_memory_service(tmp_path_factory, "user-bound") as service:
         yield service
 
 
