@@ -1,0 +1,86 @@
+"""What the clients send, whatever they send it with: facts and turns as request messages split under the service's
+limits, and the values the calls take turned into messages. Shared by the synchronous and the asyncio client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from inferscale.v1 import memory_pb2 as pb
+from inferscale_client.errors import InferScaleError
+from inferscale_client.settings import MAX_CALL_BYTES
+
+FactLike: TypeAlias = "str | Mapping[str, Any] | pb.FactInput"
+TurnLike: TypeAlias = "Mapping[str, Any] | pb.Turn"
+RETRIEVAL_MODES = {"": pb.RETRIEVAL_MODE_UNSPECIFIED, "vector": pb.RETRIEVAL_MODE_VECTOR,
+                   "keyword": pb.RETRIEVAL_MODE_KEYWORD, "hybrid": pb.RETRIEVAL_MODE_HYBRID}
+Item = TypeVar("Item", pb.FactInput, pb.Turn)
+
+
+def _timestamp(value: Any) -> Timestamp:
+    stamp = Timestamp()
+    if isinstance(value, datetime):
+        stamp.FromDatetime(value)
+    elif isinstance(value, str):
+        stamp.FromJsonString(value)
+    elif isinstance(value, Timestamp):
+        stamp.CopyFrom(value)
+    else:
+        raise TypeError(f"timestamp: a datetime, an RFC 3339 string or a Timestamp, not {type(value).__name__}")
+    return stamp
+
+
+def fact_input(fact: FactLike) -> pb.FactInput:
+    """A fact as the service takes it: its text, or a mapping of FactInput's fields (fact_id, text, source_turn_id,
+    timestamp, metadata)."""
+    if isinstance(fact, pb.FactInput):
+        return fact
+    if isinstance(fact, str):
+        return pb.FactInput(text=fact)
+    fields = dict(fact)
+    if "timestamp" in fields:
+        fields["timestamp"] = _timestamp(fields["timestamp"])
+    return pb.FactInput(**fields)
+
+
+def turn(value: TurnLike) -> pb.Turn:
+    """A conversation turn: a mapping of Turn's fields (turn_id, seq, session_id, speaker, text, timestamp)."""
+    if isinstance(value, pb.Turn):
+        return value
+    fields = dict(value)
+    if "timestamp" in fields:
+        fields["timestamp"] = _timestamp(fields["timestamp"])
+    return pb.Turn(**fields)
+
+
+def batches(items: Iterable[Item], max_items: int, max_bytes: int = MAX_CALL_BYTES) -> Iterator[list[Item]]:
+    """`items` in calls of at most `max_items`, each under `max_bytes` (an item alone past it goes alone: the service
+    names it when it refuses it)."""
+    batch: list[Item] = []
+    size = 0
+    for item in items:
+        item_size = item.ByteSize() + 8
+        if batch and (len(batch) >= max_items or size + item_size > max_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item_size
+    if batch:
+        yield batch
+
+
+def smaller_batch(error: InferScaleError, field: str, size: int) -> int | None:
+    """The batch size to try again with when the service refused a batch of `size` as too many (`field`, e.g.
+    "facts", RESOURCE_EXHAUSTED: its limit is below the client's); None when the refusal is another."""
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.field == field and size > 1:
+        return (size + 1) // 2
+    return None
+
+
+def chunks(values: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    for start in range(0, len(values), size):
+        yield values[start:start + size]

@@ -1,0 +1,145 @@
+"""The Python client package (clients/python) against real memory services: every app- and operator-facing call,
+ingest split under the service's limits (also a service whose limit is below the client's), paging, errors that
+carry the status, the field and the request id, the bearer token, the asyncio client, and the package installed
+alone in a fresh venv ingesting and searching 10,000 facts in one call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+import venv
+from pathlib import Path
+
+import grpc
+import pytest
+
+from harness.memory_service import MemoryServiceProcess
+from inferscale_client import SERVING, AsyncMemoryClient, ClientSettings, InferScaleError, MemoryClient
+from inferscale_client import settings as client_settings
+from inferscale_kv import call_credentials
+from tests.conftest import own_memory_service
+from tests.memory_service.test_access import CREDENTIALS, TOKENS, _write
+from tests.stacks import Users
+
+USERS = Users(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def memory(memory_service: MemoryServiceProcess):
+    with MemoryClient(memory_service=memory_service.address, timeout_s=120) as client:
+        yield client
+
+
+def test_facts_go_in_over_as_many_calls_as_the_limits_need_and_come_back_page_by_page(memory) -> None:
+    user = USERS("many")
+    calls: list[int] = []
+    facts = [f"Shelf {index} holds jar {index * 7}." for index in range(2500)]
+    outcomes = memory.add_facts(user, facts, progress=calls.append)
+    assert calls == [1000, 1000, 500] and len(outcomes) == 2500
+    listed = list(memory.list_facts(user, page_size=1000))
+    assert sorted(fact.text for fact in listed) == sorted(facts)
+    assert memory.search(user, "jar 6993", top_k=1, retrieval="keyword")[0].fact.text == "Shelf 999 holds jar 6993."
+    deleted = memory.delete_facts(user, [outcomes[0].fact_id, "no-such-fact"])
+    assert (deleted.facts_deleted, list(deleted.not_found_fact_ids)) == (1, ["no-such-fact"])
+    assert memory.stats(user).facts == 2499
+    assert memory.delete_user(user).facts_deleted == 2499
+    assert memory.health() == SERVING
+
+
+def test_facts_as_mappings_and_turns_keep_their_ids_timestamps_and_metadata(memory) -> None:
+    user = USERS("mapped")
+    assert memory.add_turns(user, [{"turn_id": "t1", "seq": 1, "session_id": "s1", "speaker": "Maya",
+                                    "text": "My sister moved to Porto."}]) == 1
+    memory.add_facts(user, [{"fact_id": "sister", "text": "Maya's sister lives in Porto.", "source_turn_id": "t1",
+                             "timestamp": "2026-05-01T10:00:00Z", "metadata": {"topic": "family"}}])
+    (fact,) = memory.list_facts(user)
+    assert (fact.fact_id, fact.source_turn_id, dict(fact.metadata)) == ("sister", "t1", {"topic": "family"})
+    assert fact.timestamp.ToJsonString() == "2026-05-01T10:00:00Z"
+
+
+def test_a_refused_call_raises_with_its_status_field_and_request_id(memory) -> None:
+    with pytest.raises(InferScaleError) as raised:
+        memory.add_facts(USERS("refused"), ["fine", "   "])
+    error = raised.value
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and error.field == "facts[1].text"
+    assert len(error.request_id) == 32 and error.request_id in str(error)
+    with pytest.raises(InferScaleError) as raised:
+        memory.delete_user(USERS("nobody"))
+    assert raised.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_service_with_a_lower_limit_than_the_clients_gets_smaller_calls(tmp_path_factory) -> None:
+    calls: list[int] = []
+    with (own_memory_service(tmp_path_factory, "client-limits", "--max-facts-per-call", "100") as service,
+          MemoryClient(memory_service=service.address) as client):
+        assert len(client.add_facts("u", [f"fact {index}" for index in range(250)], progress=calls.append)) == 250
+    assert calls == [63, 62, 63, 62]  # 250 refused, then 125 refused, then halves of 125
+
+
+def test_the_token_is_sent_with_every_call(tmp_path_factory) -> None:
+    credentials = _write(tmp_path_factory.mktemp("client-credentials"), CREDENTIALS)
+    with own_memory_service(tmp_path_factory, "client-auth", "--auth-file", str(credentials)) as service:
+        with MemoryClient(memory_service=service.address, token=TOKENS["acme-app"]) as client:
+            client.add_facts("acme/ines", ["Ines rows."])
+            assert [fact.text for fact in client.list_facts("acme/ines")] == ["Ines rows."]
+            with pytest.raises(InferScaleError) as raised:
+                client.add_facts("globex/ana", ["not hers"])
+            assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with MemoryClient(memory_service=service.address) as anonymous:
+            with pytest.raises(InferScaleError) as raised:
+                anonymous.search("acme/ines", "rows")
+            assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_asyncio_client_makes_the_same_calls(memory_service) -> None:
+    user = USERS("async")
+    async with AsyncMemoryClient(memory_service=memory_service.address, timeout_s=60) as client:
+        await client.add_facts(user, [f"Async fact {index}." for index in range(30)], batch_size=7)
+        listed = [fact async for fact in client.list_facts(user, page_size=4)]
+        assert len(listed) == 30
+        assert (await client.search(user, "Async fact 17.", top_k=1, retrieval="keyword"))[0].fact.text \
+            == "Async fact 17."
+        assert (await client.stats(user)).facts == 30
+        assert await client.health() == SERVING
+        assert (await client.delete_user(user)).facts_deleted == 30
+
+
+def test_settings_come_from_inferscale_variables(monkeypatch) -> None:
+    monkeypatch.setenv("INFERSCALE_MEMORY_SERVICE", "dns:///memory.example:50051")
+    monkeypatch.setenv("INFERSCALE_TIMEOUT_S", "5")
+    settings = ClientSettings.from_env(token="t")
+    assert (settings.memory_service, settings.timeout_s, settings.token) == ("dns:///memory.example:50051", 5.0, "t")
+
+
+def test_the_client_retries_as_the_nodes_and_workers_do() -> None:
+    nodes = json.loads(dict(call_credentials.REPLICA_OPTIONS)["grpc.service_config"])["methodConfig"][0]
+    assert nodes["retryPolicy"] == client_settings.RETRY_POLICY
+    assert set(client_settings.RETRIED_METHODS) <= {name["method"] for name in nodes["name"]}
+
+
+def test_the_package_installed_alone_ingests_and_searches_ten_thousand_facts(memory_service, tmp_path) -> None:
+    """`pip install clients/python` in a fresh venv (grpcio and protobuf only), then one add_facts call of 10,000
+    facts and a search, from a process of its own."""
+    venv.create(tmp_path / "venv", with_pip=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    installed = subprocess.run([python, "-m", "pip", "install", "--quiet", str(ROOT / "clients" / "python")],
+                               capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    script = textwrap.dedent(f"""
+        import importlib.metadata, sys
+        from inferscale_client import MemoryClient
+        import inferscale_client
+        assert "/venv/" in inferscale_client.__file__, inferscale_client.__file__  # the installed package
+        requires = sorted(r.split(">")[0].split("<")[0] for r in importlib.metadata.requires("inferscale-client"))
+        assert requires == ["grpcio", "protobuf"], requires
+        with MemoryClient(memory_service={memory_service.address!r}, timeout_s=300) as memory:
+            outcomes = memory.add_facts({USERS("ten-thousand")!r},
+                                        [f"Box {{i}} sits on rack {{i * 3}}." for i in range(10_000)])
+            hit = memory.search({USERS("ten-thousand")!r}, "rack 29997", top_k=1, retrieval="keyword")[0]
+            print(len(outcomes), hit.fact.text)
+    """)
+    ran = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.split(maxsplit=1) == ["10000", "Box 9999 sits on rack 29997.\n"]
