@@ -6,7 +6,9 @@ alone in a fresh venv ingesting and searching 10,000 facts in one call."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import textwrap
 import venv
 from pathlib import Path
@@ -128,11 +130,12 @@ def test_the_package_installed_alone_ingests_and_searches_ten_thousand_facts(mem
                                capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
     script = textwrap.dedent(f"""
-        import importlib.metadata, sys
+        import importlib.metadata, re
         from inferscale_client import MemoryClient
         import inferscale_client
         assert "/venv/" in inferscale_client.__file__, inferscale_client.__file__  # the installed package
-        requires = sorted(r.split(">")[0].split("<")[0] for r in importlib.metadata.requires("inferscale-client"))
+        requires = sorted(re.split("[<>=!~;, ]", r)[0] for r in importlib.metadata.requires("inferscale-client")
+                          if "extra ==" not in r)  # the cli extra's progress bar aside
         assert requires == ["grpcio", "protobuf"], requires
         with MemoryClient(memory_service={memory_service.address!r}, timeout_s=300) as memory:
             outcomes = memory.add_facts({USERS("ten-thousand")!r},
@@ -143,3 +146,56 @@ def test_the_package_installed_alone_ingests_and_searches_ten_thousand_facts(mem
     ran = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout.split(maxsplit=1) == ["10000", "Box 9999 sits on rack 29997.\n"]
+    # The command line it installs does the same from a JSON Lines file.
+    lines = tmp_path / "facts.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"Crate {i} sits on shelf {i * 3}."}) + "\n" for i in range(10_000)))
+    command = [tmp_path / "venv" / "bin" / "inferscale", "--memory-service", memory_service.address, "--timeout-s",
+               "300"]
+    user = USERS("ten-thousand-cli")
+    added = subprocess.run([*command, "--json", "facts", "add", user, "--file", str(lines)], capture_output=True,
+                           text=True, timeout=900)
+    assert added.returncode == 0 and len(json.loads(added.stdout)) == 10_000, added.stderr[-3000:]
+    found = subprocess.run([*command, "facts", "search", user, "shelf 29997", "--top-k", "1", "--retrieval",
+                            "keyword"], capture_output=True, text=True, timeout=300)
+    assert "Crate 9999 sits on shelf 29997." in found.stdout, found.stderr[-3000:]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`inferscale ...` as a shell runs it (python -m inferscale_client.cli, the console script's module)."""
+    return subprocess.run([sys.executable, "-m", "inferscale_client.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "clients" / "python" / "src"),
+                                            **(env or {})})
+
+
+def test_the_command_line_ingests_a_json_lines_file_lists_searches_and_deletes(memory_service, tmp_path) -> None:
+    user = USERS("cli")
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("\n".join(json.dumps(fact) for fact in (
+        [{"fact_id": f"jar-{index}", "text": f"Jar {index} holds {index * 11} beads."} for index in range(40)]
+        + ["Maya keeps bees."])) + "\n")
+    address = {"INFERSCALE_MEMORY_SERVICE": memory_service.address}  # every flag also from its variable
+    added = _cli("--json", "facts", "add", user, "--file", str(facts), "--batch-size", "16", env=address)
+    assert added.returncode == 0, added.stderr
+    assert len(json.loads(added.stdout)) == 41 and "fact/s" in added.stderr  # the progress bar, on stderr
+    listed = json.loads(_cli("--memory-service", memory_service.address, "--json", "facts", "list", user,
+                             "--page-size", "10").stdout)
+    assert sorted(fact["fact_id"] for fact in listed if fact["fact_id"].startswith("jar-")) == \
+        sorted(f"jar-{index}" for index in range(40))
+    table = _cli("facts", "search", user, "beads 297", "--retrieval", "keyword", env={**address,
+                                                                                     "INFERSCALE_TOP_K": "1"})
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()
+    assert header.split() == ["rank", "score", "fact_id", "version", "text"] and "Jar 27 holds 297 beads." in row
+    turns = tmp_path / "turns.json"
+    turns.write_text(json.dumps([{"turn_id": "t1", "seq": 1, "session_id": "s", "speaker": "Maya", "text": "Hi."}]))
+    assert "turns_written: 1" in _cli("turns", "add", user, "--file", str(turns), env=address).stdout
+    assert "facts_deleted: 1" in _cli("facts", "delete", user, "jar-0", env=address).stdout
+    assert "facts: 40" in _cli("stats", user, env=address).stdout
+    assert _cli("health", env=address).stdout.strip() == "status: SERVING"
+    assert "facts_deleted: 40" in _cli("users", "delete", user, env=address).stdout
+
+
+def test_the_command_line_reports_a_refusal_with_its_status_and_exit_code(memory_service) -> None:
+    refused = _cli("--memory-service", memory_service.address, "facts", "add", USERS("cli-refused"), "ok", " ")
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: facts[1].text" in refused.stderr
+    assert _cli("facts").returncode == 2  # a wrong command line
