@@ -1,4 +1,4 @@
-"""The README's grpcurl session works against a running service, with the real grpcurl binary."""
+"""The grpcurl session of docs/app-developer.md works against a running service, with the real grpcurl binary."""
 
 import json
 import shutil

@@ -107,3 +107,17 @@ def test_a_worker_configured_for_mutual_tls_computes_kv(tls_service, pki, tiny_l
         run_worker(tls_service, tiny_llama_dir)
         (profile,) = stub.GetStats(pb.GetStatsRequest(user_id="tls-user")).profiles
     assert (profile.done, profile.failed) == (1, 0)
+
+
+def test_the_python_client_speaks_mutual_tls(tls_service, pki):
+    """The client package's TLS settings (clients/python): the service's CA and a client certificate."""
+    from inferscale_client import InferScaleError, MemoryClient
+
+    with MemoryClient(memory_service=tls_service.address, tls_ca_file=str(pki / "service-ca.crt"),
+                      tls_cert_file=str(pki / "worker.crt"), tls_key_file=str(pki / "worker.key")) as client:
+        client.add_facts("tls-client-user", ["Tom reads maps."])
+        assert [fact.text for fact in client.list_facts("tls-client-user")] == ["Tom reads maps."]
+    with MemoryClient(memory_service=tls_service.address, tls_ca_file=str(pki / "service-ca.crt"),
+                      timeout_s=10) as client, pytest.raises(InferScaleError) as refused:
+        client.stats()
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
