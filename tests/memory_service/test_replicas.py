@@ -178,6 +178,28 @@ def test_a_worker_completes_through_another_replica_than_it_leased_from(stubs, r
     assert fact.kv_ready
 
 
+def _ingest_calls(replica) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('inferscale_rpc_requests_total{') and 'method="IngestFacts"' in line)
+
+
+def test_the_python_client_given_every_replica_spreads_its_calls_over_them(deployed, replicas) -> None:
+    """The client package (clients/python) on the address naming every replica, as an app in Kubernetes has it
+    (dns:///...): its calls go round robin, and what one replica acknowledged the next page from another lists."""
+    from inferscale_client import MemoryClient
+
+    before = [_ingest_calls(replica) for replica in replicas]
+    with MemoryClient(memory_service=deployed.address, timeout_s=60) as client:
+        texts = [f"Client fact {index} about the orchard." for index in range(60)]
+        assert len(client.add_facts("client-user", texts, batch_size=10)) == 60
+        assert sorted(fact.text for fact in client.list_facts("client-user", page_size=7)) == sorted(texts)
+    assert all(_ingest_calls(replica) > calls for replica, calls in zip(replicas, before, strict=True))
+
+
 def test_kill_9_of_a_replica_loses_no_acknowledged_fact_and_its_callers_fail_over(
         deployed, replicas, stubs, tiny_llama_dir) -> None:
     profile = tiny_profile(tiny_llama_dir)
