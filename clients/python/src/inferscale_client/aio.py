@@ -48,23 +48,14 @@ class AsyncMemoryClient:
     async def add_facts(self, user_id: str, facts: Iterable[requests.FactLike], *, batch_size: int = MAX_FACTS_PER_CALL,
                         progress: Progress | None = None) -> list[pb.IngestedFact]:
         """MemoryClient.add_facts."""
-        results: list[pb.IngestedFact] = []
-        pending = list(requests.batches((requests.fact_input(fact) for fact in facts), batch_size))
-        while pending:
-            batch = pending.pop(0)
+        ingest = requests.FactIngest(facts, batch_size, progress)
+        while (batch := ingest.next_batch()) is not None:
             try:
-                response = await self._call(self._stub.IngestFacts,
-                                            pb.IngestFactsRequest(user_id=user_id, facts=batch))
+                ingest.answered(batch, await self._call(self._stub.IngestFacts,
+                                                        pb.IngestFactsRequest(user_id=user_id, facts=batch)))
             except InferScaleError as error:
-                smaller = requests.smaller_batch(error, "facts", len(batch))
-                if smaller is None:
-                    raise
-                pending[:0] = list(requests.batches(batch, smaller))
-                continue
-            results.extend(response.facts)
-            if progress is not None:
-                progress(len(batch))
-        return results
+                ingest.refused(batch, error)
+        return ingest.results
 
     async def add_turns(self, user_id: str, turns: Iterable[requests.TurnLike], *,
                         batch_size: int = MAX_TURNS_PER_CALL, progress: Progress | None = None) -> int:

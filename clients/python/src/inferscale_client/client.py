@@ -51,22 +51,14 @@ class MemoryClient:
                   progress: Progress | None = None) -> list[pb.IngestedFact]:
         """Stores (or updates, by fact_id) the user's facts, in as many calls as the service's limits need; each
         fact's outcome, in order. A call the service refuses raises, the facts of earlier calls staying stored."""
-        results: list[pb.IngestedFact] = []
-        pending = list(requests.batches((requests.fact_input(fact) for fact in facts), batch_size))
-        while pending:
-            batch = pending.pop(0)
+        ingest = requests.FactIngest(facts, batch_size, progress)
+        while (batch := ingest.next_batch()) is not None:
             try:
-                response = self._call(self._stub.IngestFacts, pb.IngestFactsRequest(user_id=user_id, facts=batch))
+                ingest.answered(batch, self._call(self._stub.IngestFacts,
+                                                  pb.IngestFactsRequest(user_id=user_id, facts=batch)))
             except InferScaleError as error:
-                smaller = requests.smaller_batch(error, "facts", len(batch))
-                if smaller is None:
-                    raise
-                pending[:0] = list(requests.batches(batch, smaller))
-                continue
-            results.extend(response.facts)
-            if progress is not None:
-                progress(len(batch))
-        return results
+                ingest.refused(batch, error)
+        return ingest.results
 
     def add_turns(self, user_id: str, turns: Iterable[requests.TurnLike], *, batch_size: int = MAX_TURNS_PER_CALL,
                   progress: Progress | None = None) -> int:

@@ -3,7 +3,7 @@ limits, and the values the calls take turned into messages. Shared by the synchr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeAlias, TypeVar
 
@@ -73,12 +73,28 @@ def batches(items: Iterable[Item], max_items: int, max_bytes: int = MAX_CALL_BYT
         yield batch
 
 
-def smaller_batch(error: InferScaleError, field: str, size: int) -> int | None:
-    """The batch size to try again with when the service refused a batch of `size` as too many (`field`, e.g.
-    "facts", RESOURCE_EXHAUSTED: its limit is below the client's); None when the refusal is another."""
-    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.field == field and size > 1:
-        return (size + 1) // 2
-    return None
+class FactIngest:
+    """The calls of one add_facts: `next_batch` until None; each batch `answered` or `refused`. A batch refused as too
+    many facts (RESOURCE_EXHAUSTED on `facts`: the service's limit is below the client's) is sent again in halves;
+    any other refusal is raised."""
+
+    def __init__(self, facts: Iterable[FactLike], batch_size: int, progress: Callable[[int], None] | None) -> None:
+        self._pending = list(batches((fact_input(fact) for fact in facts), batch_size))
+        self._progress = progress
+        self.results: list[pb.IngestedFact] = []
+
+    def next_batch(self) -> list[pb.FactInput] | None:
+        return self._pending.pop(0) if self._pending else None
+
+    def answered(self, batch: list[pb.FactInput], response: pb.IngestFactsResponse) -> None:
+        self.results.extend(response.facts)
+        if self._progress is not None:
+            self._progress(len(batch))
+
+    def refused(self, batch: list[pb.FactInput], error: InferScaleError) -> None:
+        if not (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.field == "facts" and len(batch) > 1):
+            raise error
+        self._pending[:0] = list(batches(batch, (len(batch) + 1) // 2))
 
 
 def chunks(values: Sequence[str], size: int) -> Iterator[Sequence[str]]:
