@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
+import time
+import uuid
+from collections.abc import Iterable, Iterator
 
 from openai import OpenAI
 
@@ -24,27 +26,26 @@ REMEMBER = "remember:"
 
 
 def chat(memory: MemoryClient, llm: OpenAI, model: str, user: str, lines: Iterable[str], mode: str = "kv",
-         max_tokens: int = 32) -> list[dict]:
-    """Runs the lines; one record per line: what was stored, or the answer and the memory summary."""
-    records: list[dict] = []
-    for seq, line in enumerate(line.strip() for line in lines):
+         max_tokens: int = 32) -> Iterator[dict]:
+    """Runs the lines as they come; one record per line: what was stored, or the answer and the memory summary.
+    Each line is a turn of its own (a new id; ordered by the time it was said, across runs)."""
+    session = uuid.uuid4().hex[:8]
+    for line in (line.strip() for line in lines):
         if not line:
             continue
-        turn_id = f"turn-{seq}"
-        memory.add_turns(user, [{"turn_id": turn_id, "seq": seq, "session_id": "chat", "speaker": user,
-                                 "text": line}])
+        turn_id = f"turn-{uuid.uuid4().hex[:12]}"
+        memory.add_turns(user, [{"turn_id": turn_id, "seq": time.time_ns() // 1000, "session_id": session,
+                                 "speaker": user, "text": line}])
         if line.lower().startswith(REMEMBER):
             fact = line[len(REMEMBER):].strip()
             (stored,) = memory.add_facts(user, [{"text": fact, "source_turn_id": turn_id}])
-            records.append({"stored": fact, "fact_id": stored.fact_id})
+            yield {"stored": fact, "fact_id": stored.fact_id}
             continue
         raw = llm.chat.completions.with_raw_response.create(
             model=model, messages=[{"role": "user", "content": line}], max_tokens=max_tokens, temperature=0,
             extra_body={"memory": {"user_id": user, "mode": mode}})
         answer = raw.parse().choices[0].message.content or ""
-        records.append({"question": line, "answer": answer,
-                        "memory": json.loads(raw.headers.get("x-inferscale-memory") or "{}")})
-    return records
+        yield {"question": line, "answer": answer, "memory": json.loads(raw.headers.get("x-inferscale-memory") or "{}")}
 
 
 def main(argv: list[str] | None = None) -> int:

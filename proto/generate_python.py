@@ -20,3 +20,4 @@ def generate_python(out_root: Path) -> None:
         raise RuntimeError(f"protoc failed on {protos}")
     for package_dir in {out_root / Path(proto).parent for proto in protos} | {out_root / "inferscale"}:
         (package_dir / "__init__.py").touch()
+    (out_root / "inferscale" / "py.typed").touch()  # type checkers read the .pyi stubs beside the modules

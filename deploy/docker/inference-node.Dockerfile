@@ -1,6 +1,6 @@
 # The inference node: vLLM's OpenAI server with InferScale's KV connector and middleware, on the newest vLLM release
 # (0.34.0). The connector runs on vLLM 0.26.0 to 0.34.x: the connector API points it uses are the same in all of them
-# (python -m benchmarks.vllm_api; README "vLLM releases").
+# (python -m benchmarks.vllm_api; docs/operator.md, "vLLM releases").
 # Build from the repository root:
 #   docker build -f deploy/docker/inference-node.Dockerfile -t ghcr.io/inferscale/inference-node:0.1.0-vllm0.34.0 .
 FROM vllm/vllm-openai:v0.34.0

@@ -77,7 +77,17 @@ def test_a_service_with_a_lower_limit_than_the_clients_gets_smaller_calls(tmp_pa
     with (own_memory_service(tmp_path_factory, "client-limits", "--max-facts-per-call", "100") as service,
           MemoryClient(memory_service=service.address) as client):
         assert len(client.add_facts("u", [f"fact {index}" for index in range(250)], progress=calls.append)) == 250
-    assert calls == [63, 62, 63, 62]  # 250 refused, then 125 refused, then halves of 125
+    assert calls == [100, 100, 50]  # 250 refused as more than the service's 100 per call: split at its limit
+
+
+def test_a_quota_refusal_is_raised_whole_not_split_into_a_partial_write(tmp_path_factory) -> None:
+    """Also RESOURCE_EXHAUSTED on `facts`, but not a per-call limit: the call is refused and nothing of it stored."""
+    with (own_memory_service(tmp_path_factory, "client-quota", "--max-facts-per-user", "5") as service,
+          MemoryClient(memory_service=service.address) as client):
+        with pytest.raises(InferScaleError) as raised:
+            client.add_facts("u", [f"fact {index}" for index in range(8)])
+        assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert list(client.list_facts("u")) == []
 
 
 def test_the_token_is_sent_with_every_call(tmp_path_factory) -> None:
@@ -105,14 +115,21 @@ async def test_the_asyncio_client_makes_the_same_calls(memory_service) -> None:
             == "Async fact 17."
         assert (await client.stats(user)).facts == 30
         assert await client.health() == SERVING
+        with pytest.raises(InferScaleError) as raised:  # the status and field of an asyncio call's error too
+            await client.add_facts(user, ["fine", ""])
+        assert (raised.value.code, raised.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "facts[1].text")
         assert (await client.delete_user(user)).facts_deleted == 30
 
 
 def test_settings_come_from_inferscale_variables(monkeypatch) -> None:
     monkeypatch.setenv("INFERSCALE_MEMORY_SERVICE", "dns:///memory.example:50051")
-    monkeypatch.setenv("INFERSCALE_TIMEOUT_S", "5")
+    monkeypatch.setenv("INFERSCALE_MEMORY_SERVICE_TIMEOUT_S", "5")
+    monkeypatch.setenv("INFERSCALE_TLS_CERT_FILE", "/the/service/own.crt")  # the service's variable: not the client's
     settings = ClientSettings.from_env(token="t")
     assert (settings.memory_service, settings.timeout_s, settings.token) == ("dns:///memory.example:50051", 5.0, "t")
+    assert settings.tls_cert_file == "" and settings.credentials() is None
+    with pytest.raises(ValueError, match="give both"):
+        ClientSettings(tls_cert_file="client.crt").credentials()
 
 
 def test_the_client_retries_as_the_nodes_and_workers_do() -> None:

@@ -88,6 +88,8 @@ class AsyncMemoryClient:
 
     async def delete_facts(self, user_id: str, fact_ids: Iterable[str]) -> pb.DeleteFactsResponse:
         """MemoryClient.delete_facts."""
+        if isinstance(fact_ids, str):
+            raise TypeError("fact_ids: a list of fact ids, not one string")
         total = pb.DeleteFactsResponse()
         for chunk in requests.chunks(list(fact_ids), MAX_DELETE_IDS):
             response = await self._call(self._stub.DeleteFacts, pb.DeleteFactsRequest(user_id=user_id,

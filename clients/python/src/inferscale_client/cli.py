@@ -8,9 +8,10 @@
 
 A file holds one fact per line (a string, or an object of FactInput's fields: fact_id, text, source_turn_id,
 timestamp, metadata), or one JSON array of them; turns likewise (turn_id, seq, session_id, speaker, text, timestamp).
-Tables on a terminal, JSON with --json. Every flag also comes from an INFERSCALE_<FLAG> variable (--memory-service:
-INFERSCALE_MEMORY_SERVICE, --top-k: INFERSCALE_TOP_K, ...); a flag given wins. Exit status 1 when the service refuses
-a call (its status and message on standard error), 2 for a wrong command line.
+Tables, or JSON with --json. Every flag also comes from a variable, which --help names (--memory-service:
+INFERSCALE_MEMORY_SERVICE, --token: INFERSCALE_MEMORY_SERVICE_TOKEN, --top-k: INFERSCALE_TOP_K, facts add --file:
+INFERSCALE_FACTS_FILE, ...); a flag given wins. Exit status 1 when the service refuses a call or a file cannot be
+read (the reason on standard error), 2 for a wrong command line.
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ from google.protobuf.message import Message
 from inferscale_client.client import MemoryClient
 from inferscale_client.errors import InferScaleError
 from inferscale_client.requests import RETRIEVAL_MODES
-from inferscale_client.settings import ENV_PREFIX, ClientSettings
+from inferscale_client.settings import ENV, ENV_PREFIX, ClientSettings
 
 Run = Callable[[MemoryClient, argparse.Namespace], Any]
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
-    """A flag whose default comes from INFERSCALE_<FLAG> when that is set."""
-    variable = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+def _add(parser: argparse.ArgumentParser, flag: str, variable: str = "", **kwargs: Any) -> None:
+    """A flag whose default comes from its variable (INFERSCALE_<FLAG> unless named) when that is set."""
+    variable = variable or ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
     if variable in os.environ:
         raw = os.environ[variable]
+        if "choices" in kwargs and raw not in kwargs["choices"]:
+            raise SystemExit(f"inferscale: {variable}: one of {', '.join(map(repr, kwargs['choices']))}, not {raw!r}")
         kwargs["default"] = raw.lower() in ("1", "true", "yes") if kwargs.get("action") == "store_true" else raw
     kwargs["help"] = f"{kwargs.get('help', '')} (env {variable})".strip()
     parser.add_argument(flag, **kwargs)
@@ -46,7 +49,7 @@ def _add(parser: argparse.ArgumentParser, flag: str, **kwargs: Any) -> None:
 
 def _records(path: Path) -> Iterator[Any]:
     """The items of a JSON array file, or of a JSON Lines file (one per non-empty line)."""
-    text = path.read_text()
+    text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         yield from json.loads(text)
         return
@@ -92,7 +95,7 @@ def _turns_add(client: MemoryClient, args: argparse.Namespace) -> Any:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Message):
-        return MessageToDict(value, preserving_proto_field_name=True)
+        return MessageToDict(value, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     if isinstance(value, list):
         return [_plain(item) for item in value]
     return value
@@ -122,25 +125,26 @@ def _render(value: Any) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferscale", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add(parser, "--memory-service", help="the service's address (every replica: dns:///host:port)")
-    _add(parser, "--token", help="bearer token")
-    _add(parser, "--tls-ca-file", help="CA of the service's certificate (sets TLS on)")
-    _add(parser, "--tls-cert-file", help="client certificate (mutual TLS)")
-    _add(parser, "--tls-key-file", help="the client certificate's key")
-    _add(parser, "--timeout-s", type=float, help="each call's deadline")
+    _add(parser, "--memory-service", ENV["memory_service"], help="the service's address (every replica: dns:///host:port)")
+    _add(parser, "--token", ENV["token"], help="bearer token")
+    _add(parser, "--tls-ca-file", ENV["tls_ca_file"], help="CA of the service's certificate (TLS on)")
+    _add(parser, "--tls-cert-file", ENV["tls_cert_file"], help="client certificate (mutual TLS; TLS on)")
+    _add(parser, "--tls-key-file", ENV["tls_key_file"], help="the client certificate's key")
+    _add(parser, "--timeout-s", ENV["timeout_s"], type=float, help="each call's deadline")
     _add(parser, "--json", action="store_true", help="print JSON instead of tables")
     groups = parser.add_subparsers(dest="group", required=True)
 
     def command(group: argparse._SubParsersAction, name: str, run: Run, help: str) -> argparse.ArgumentParser:
         sub = group.add_parser(name, help=help)
         sub.set_defaults(run=run)
+        sub.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
         return sub
 
     facts = groups.add_parser("facts", help="a user's facts").add_subparsers(dest="command", required=True)
     add = command(facts, "add", _facts_add, "store facts (arguments, or --file JSON / JSON Lines)")
     add.add_argument("user")
     add.add_argument("text", nargs="*", help="facts' texts")
-    _add(add, "--file", type=Path, help="JSON Lines or JSON array of facts")
+    _add(add, "--file", "INFERSCALE_FACTS_FILE", type=Path, help="JSON Lines or JSON array of facts (-: stdin)")
     _add(add, "--batch-size", type=int, default=1000, help="most facts per call")
     listing = command(facts, "list", lambda c, a: list(c.list_facts(a.user, page_size=a.page_size)), "list facts")
     listing.add_argument("user")
@@ -160,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                          required=True)
     turns_add = command(turns, "add", _turns_add, "store turns from --file (JSON Lines or JSON array)")
     turns_add.add_argument("user")
-    _add(turns_add, "--file", type=Path, required="INFERSCALE_FILE" not in os.environ, help="the turns")
+    _add(turns_add, "--file", "INFERSCALE_TURNS_FILE", type=Path, required="INFERSCALE_TURNS_FILE" not in os.environ,
+         help="the turns (-: stdin)")
     stats = groups.add_parser("stats", help="the service's figures (a tenant's token: one of its users)")
     stats.set_defaults(run=lambda c, a: c.stats(a.user))
     stats.add_argument("user", nargs="?", default="")
@@ -179,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = args.run(client, args)
     except InferScaleError as error:
         print(f"inferscale: {error}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, TypeError) as error:  # a file that cannot be read, or a fact or turn not as described
+        print(f"inferscale: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     print(json.dumps(_plain(result), indent=2) if args.json else _render(result))
     return 0

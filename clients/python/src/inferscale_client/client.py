@@ -90,6 +90,8 @@ class MemoryClient:
 
     def delete_facts(self, user_id: str, fact_ids: Iterable[str]) -> pb.DeleteFactsResponse:
         """Deletes the facts (and their KV); how many were, and the ids not found."""
+        if isinstance(fact_ids, str):
+            raise TypeError("fact_ids: a list of fact ids, not one string")
         total = pb.DeleteFactsResponse()
         for chunk in requests.chunks(list(fact_ids), MAX_DELETE_IDS):
             response = self._call(self._stub.DeleteFacts, pb.DeleteFactsRequest(user_id=user_id, fact_ids=chunk))

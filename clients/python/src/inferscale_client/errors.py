@@ -9,7 +9,7 @@ import grpc
 
 REQUEST_ID_KEY = "x-request-id"
 # The service starts a refusal's message with the field path it refuses ("facts[3].text: must not be empty").
-_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?)*): ")
+_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\[[^\]]*\])*(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[[^\]]*\])*)*): ")
 
 
 class InferScaleError(Exception):
@@ -26,6 +26,7 @@ class InferScaleError(Exception):
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError, request_id: str) -> InferScaleError:
-        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-        details = (error.details() if isinstance(error, grpc.Call) else str(error)) or ""
+        # A sync call's error is a grpc.Call, an asyncio call's an AioRpcError: both answer code() and details().
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = (error.details() if hasattr(error, "details") else str(error)) or ""
         return cls(code, details, request_id)

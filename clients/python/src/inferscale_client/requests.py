@@ -3,6 +3,7 @@ limits, and the values the calls take turned into messages. Shared by the synchr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeAlias, TypeVar
@@ -19,6 +20,7 @@ TurnLike: TypeAlias = "Mapping[str, Any] | pb.Turn"
 RETRIEVAL_MODES = {"": pb.RETRIEVAL_MODE_UNSPECIFIED, "vector": pb.RETRIEVAL_MODE_VECTOR,
                    "keyword": pb.RETRIEVAL_MODE_KEYWORD, "hybrid": pb.RETRIEVAL_MODE_HYBRID}
 Item = TypeVar("Item", pb.FactInput, pb.Turn)
+_PER_CALL_LIMIT = re.compile(r"entries exceeds the limit of (\d+) per call")
 
 
 def _timestamp(value: Any) -> Timestamp:
@@ -74,9 +76,9 @@ def batches(items: Iterable[Item], max_items: int, max_bytes: int = MAX_CALL_BYT
 
 
 class FactIngest:
-    """The calls of one add_facts: `next_batch` until None; each batch `answered` or `refused`. A batch refused as too
-    many facts (RESOURCE_EXHAUSTED on `facts`: the service's limit is below the client's) is sent again in halves;
-    any other refusal is raised."""
+    """The calls of one add_facts: `next_batch` until None; each batch `answered` or `refused`. A batch refused as more
+    facts than the service takes per call (its limit below the client's) is sent again, it and every later batch
+    split at the service's limit; any other refusal (a quota, a bad fact) is raised, nothing of that batch stored."""
 
     def __init__(self, facts: Iterable[FactLike], batch_size: int, progress: Callable[[int], None] | None) -> None:
         self._pending = list(batches((fact_input(fact) for fact in facts), batch_size))
@@ -92,9 +94,20 @@ class FactIngest:
             self._progress(len(batch))
 
     def refused(self, batch: list[pb.FactInput], error: InferScaleError) -> None:
-        if not (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.field == "facts" and len(batch) > 1):
+        limit = per_call_limit(error, "facts")
+        if limit is None or not 0 < limit < len(batch):
             raise error
-        self._pending[:0] = list(batches(batch, (len(batch) + 1) // 2))
+        rest = [fact for pending in self._pending for fact in pending]
+        self._pending = list(batches([*batch, *rest], limit))
+
+
+def per_call_limit(error: InferScaleError, field: str) -> int | None:
+    """The service's per-call limit on `field` when `error` is its refusal of a call holding more (memory_service's
+    "<field>: N entries exceeds the limit of L per call"); None for any other error."""
+    if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or error.field != field:
+        return None
+    found = _PER_CALL_LIMIT.search(error.details)
+    return int(found.group(1)) if found else None
 
 
 def chunks(values: Sequence[str], size: int) -> Iterator[Sequence[str]]:
