@@ -197,6 +197,7 @@ def test_the_python_client_given_every_replica_spreads_its_calls_over_them(deplo
         texts = [f"Client fact {index} about the orchard." for index in range(60)]
         assert len(client.add_facts("client-user", texts, batch_size=10)) == 60
         assert sorted(fact.text for fact in client.list_facts("client-user", page_size=7)) == sorted(texts)
+        assert client.delete_user("client-user").facts_deleted == 60  # and its KV jobs: later tests lease none
     assert all(_ingest_calls(replica) > calls for replica, calls in zip(replicas, before, strict=True))
 
 
