@@ -125,6 +125,16 @@ def shared_node(servers: ServerPool, node_memory_service: MemoryServiceProcess,
 
 
 @pytest.fixture(scope="session")
+def user_bound_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MemoryServiceProcess]:
+    """One memory service binding node reads to gateway user tokens, shared by the modules that read through it
+    (tests.memory_service.test_user_tokens.user_bound_memory_service: acme/maya and acme/lee, one fact each)."""
+    from tests.memory_service.test_user_tokens import user_bound_memory_service
+
+    with user_bound_memory_service(tmp_path_factory, "user-bound") as service:
+        yield service
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random fp32 Llama with its own BPE tokenizer (built once per test session)."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -20,7 +20,6 @@ from inferscale_kv.model_profile import build_model_profile
 from inferscale_kv.profile import DEFAULT_CONTEXT_WINDOW
 from tests.conftest import own_memory_service
 from tests.memory_service.test_access import CREDENTIALS, TOKENS, _metadata, _write
-from tests.memory_service.test_user_tokens import user_bound_memory_service
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +78,6 @@ def test_without_a_token_the_request_is_answered_without_memory(guarded_service,
     forwarded, summary = _serve_one(guarded_service, tiny_llama_dir, monkeypatch)
     assert summary["error"] == "memory service: UNAUTHENTICATED"
     assert all("Pimenta" not in str(message.get("content")) for message in forwarded["messages"])
-
-
-@pytest.fixture(scope="module")
-def user_bound_service(tmp_path_factory):
-    with user_bound_memory_service(tmp_path_factory, "user-bound-node") as service:
-        yield service
 
 
 def test_a_node_without_the_user_token_header_drops_the_memory_instead_of_blaming_the_request(

@@ -136,12 +136,6 @@ def user_bound_memory_service(tmp_path_factory, name: str) -> Iterator[MemorySer
         yield service
 
 
-@pytest.fixture(scope="module")
-def user_bound_service(tmp_path_factory) -> Iterator[MemoryServiceProcess]:
-    with user_bound_memory_service(tmp_path_factory, "user-bound") as service:
-        yield service
-
-
 def _retrieve(stub, user_id: str, token: str = "") -> pb.RetrieveAndStageResponse:
     return stub.RetrieveAndStage(pb.RetrieveAndStageRequest(user_id=user_id, query="what?", top_k=3,
                                                             profile=_profile(), node_id="n", user_token=token),
