@@ -29,6 +29,7 @@
 #   bash benchmarks/device_run.sh OUT failure [RUNS]      # every way a load can fail (RUNS: model runners; default all)
 #   bash benchmarks/device_run.sh OUT memory-step         # RetrieveAndStage at 64 and 128 callers, either side embedding,
 #                                                         #   over $STEP_REPLICAS (1 4 8 12) replicas on PostgreSQL + S3
+#                                                         #   ($STEP_CALLERS, $STEP_EMBEDS narrow the sweep)
 #   bash benchmarks/device_run.sh OUT stop                # stops every prepared server
 #
 # Llama-3-8B shape with DUMMY weights and SYNTHETIC fact KV (the reports say so); facts of 2 synthetic clauses.
@@ -168,8 +169,8 @@ case $stage in
       ${3:+--runs $3} 2>&1 | grep --line-buffered "^run=\|^verdict" | tee "$out/failure-path.txt" ;;
   memory-step)  # no node: the memory service alone, Llama-3-8B-sized KV; replicas on a real PostgreSQL and SeaweedFS
     stop_all
-    python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers 64 128 --duration-s 12 \
-      --embeds caller service --replicas ${STEP_REPLICAS:-1 4 8 12} --shared-stores --client-processes 4 --node-batching \
+    python3 -m benchmarks.memory_step --users 8 --facts-per-user 50 --k 50 --callers ${STEP_CALLERS:-64 128} \
+      --duration-s 12 --embeds ${STEP_EMBEDS:-caller service} --replicas ${STEP_REPLICAS:-1 4 8 12} --shared-stores --client-processes 4 --node-batching \
       --model "${BENCH_MODEL:-.gpu/smollm2}" --shape "${BENCH_SHAPE:-llama3-8b}" \
       --service-flags "--embedding-threads 2" \
       --output "$out/memory-step.json" 2>&1 | quiet | grep --line-buffered "^{\||" | tee "$out/memory-step.txt" ;;
