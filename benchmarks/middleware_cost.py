@@ -7,8 +7,8 @@
   the memory service answered at once by a stand-in (its RetrieveAndStage time is not ours to count here);
 - scheduler: the connector's proof of the same request in vLLM's engine process (plan signature and salt checked,
   the plan proven against the prompt's token ids), which runs on the engine's scheduling thread;
-- vLLM tokenizing: what tokenizing the memory prompt as text costs (vLLM does it for a chat request after applying
-  its template; a completions request in a memory mode arrives as token ids, so vLLM skips it).
+- vLLM tokenizing: what tokenizing the memory prompt as text costs (vLLM skips it where a request in a memory mode
+  arrives as token ids: a completions prompt, or a chat prompt's ids beside its messages where vLLM takes them).
 Facts are the serving benchmark's synthetic ones (`--clauses` per fact; k=50 of 2 clauses is ~1,700 memory tokens
 with SmolLM2's tokenizer, of 8 clauses ~7,000). `--profile` prints cProfile's top functions for the largest k.
 """
@@ -116,7 +116,8 @@ def time_scheduler(rewritten: dict, prompt_ids: list[int], count: int) -> list[f
     model_config = SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, head_dim=8,
                                                              hidden_size=8, num_attention_heads=1),
                                    dtype=SimpleNamespace(itemsize=2))
-    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=model_config)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=model_config,
+                                  device_config=SimpleNamespace(device_type="cpu"))
     settings = NodeSettings(memory_service="-", node_id="cost", model_dir="-", profile={"profile_id": PROFILE_ID})
     scheduler = InferScaleScheduler(vllm_config, settings)
     samples = []
@@ -175,14 +176,16 @@ def main() -> None:
                         + QUESTION)
                 tokenizing_ms = [_timed(lambda: tokenizer.encode(text, add_special_tokens=False))  # noqa: B023
                                  for _ in range(20)]
-                scheduler_ms, vllm_tokenizing = "", f"{_p50(tokenizing_ms):.3f}"
+                vllm_tokenizing = f"{_p50(tokenizing_ms):.3f}"
                 if path == "/v1/completions":
                     prompt_ids = rewritten["prompt"]
-                    if isinstance(prompt_ids, list):
-                        vllm_tokenizing = "0 (token ids)"
-                    else:
-                        prompt_ids = tokenizer.encode(prompt_ids, add_special_tokens=False)
-                    scheduler_ms = f"{_p50(time_scheduler(rewritten, prompt_ids, args.requests)):.3f}"
+                else:  # the rendered prompt's ids beside the messages, where the node sends them
+                    prompt_ids = rewritten["kv_transfer_params"].get("prompt_token_ids", text)
+                if isinstance(prompt_ids, list):
+                    vllm_tokenizing = "0 (token ids)"
+                else:
+                    prompt_ids = tokenizer.encode(prompt_ids, add_special_tokens=False)
+                scheduler_ms = f"{_p50(time_scheduler(rewritten, prompt_ids, args.requests)):.3f}"
                 print(f"{path:<22}{k:>4}{clauses:>8}{memory_tokens:>15}{_p50(middleware_ms):>19.3f}"
                       f"{scheduler_ms:>18}{vllm_tokenizing:>20}", flush=True)
                 last = (middleware, raw, path)

@@ -95,6 +95,11 @@ class NodeLaunch:
     dry_run: bool
 
 
+# vLLM flags that make its chat rendering other than the model tokenizer's template applied to the messages.
+CHAT_RENDERING_FLAGS = frozenset({"--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs",
+                                  "--tokenizer", "--tokenizer-mode"})
+
+
 def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
     """The node's flags (and environment) read, checked and turned into vLLM's command line; SystemExit naming the
     flag where one is wrong."""
@@ -145,6 +150,8 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
     if settings.recompute_tail_facts > settings.max_top_k:
         raise SystemExit(f"inference_node: --recompute-tail-facts must be at most {settings.max_top_k} (the most facts "
                          "a request may retrieve)")
+    settings = dataclasses.replace(settings, chat_token_ids=not any(
+        arg.split("=", 1)[0].replace("_", "-") in CHAT_RENDERING_FLAGS for arg in vllm_args))
     transfer = kv_transfer_config(settings)
     vllm_args = within_gpu_memory_budget(vllm_args, settings.node_cache_mb << 20, device_bytes)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

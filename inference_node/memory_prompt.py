@@ -1,6 +1,7 @@
-"""What the middleware puts in a request: the memory block (one fact per line, best last) as text, or on
-/v1/completions as token ids (`MemoryTokens`), and for kv mode the load plan (inference_node.plan) that the
-connector verifies against the prompt's actual token ids."""
+"""What the middleware puts in a request: the memory block (one fact per line, best last) as text, and as the
+prompt's token ids (`MemoryTokens`: on /v1/completions the prompt itself, on /v1/chat/completions the ids of the
+rendered chat prompt beside its messages), and for kv mode the load plan (inference_node.plan) that the connector
+verifies against the prompt's actual token ids."""
 
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ class MemoryTokens:
     `capacity`): a user's facts come back request after request, so vLLM need not tokenize thousands of memory
     tokens per request. Kv and text modes get the same ids, and the connector still proves the plan against them.
 
-    `concatenative` says whether this tokenizer gives the same ids for the prompt's text as a whole; where it does
-    not, the node keeps sending text (vLLM tokenizes it)."""
+    `concatenative` says whether this tokenizer gives the same ids for the prompt's text as a whole, and
+    `chat_concatenative` whether its chat template's rendering does too (`rendered_prompt`); where not, the node keeps
+    sending text (vLLM tokenizes it)."""
 
     def __init__(self, tokenizer: Any, capacity: int = 100_000) -> None:
         self._tokenizer = tokenizer
@@ -129,14 +131,54 @@ class MemoryTokens:
         self.header_ids = memory_header_ids(tokenizer)
         self._guard = StoredTextGuard.for_tokenizer(tokenizer)
         self._facts: OrderedDict[str, list[int]] = OrderedDict()
-        header = memory_header_text(tokenizer)
+        self.header_text = header = memory_header_text(tokenizer)
         self.concatenative = all(
             self._encode(header + fact_line(self._guard, first) + rest)
             == [*self.header_ids, *fact_token_ids(tokenizer, first), *self._encode(rest)]
             for first in _BOUNDARY_SAMPLES for rest in _BOUNDARY_SAMPLES)
+        self.chat_concatenative = self.concatenative and self._renders_chat_in_pieces()
 
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat prompt's text as vLLM renders it for messages of string content (HF's template, no tokenizing)."""
+        return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+
+    def _renders_parts_otherwise(self, messages: list[dict[str, str]], rendered: str) -> bool:
+        """Whether the template takes the messages' content as text parts and renders them into other text than
+        `rendered` (vLLM hands its parts to a template that iterates over content). A template that fails on parts,
+        or writes the list out as it is (a memory's lines then appear escaped), takes strings: vLLM gives it those,
+        as here."""
+        as_parts = [{"role": message["role"], "content": [{"type": "text", "text": message["content"]}]}
+                    for message in messages]
+        try:
+            with_parts = self._tokenizer.apply_chat_template(as_parts, tokenize=False, add_generation_prompt=True)
+        except Exception:  # the template's own failure on parts: a template of string content
+            return False
+        return with_parts != rendered and all(message["content"] in with_parts for message in messages)
+
+    def _renders_chat_in_pieces(self) -> bool:
+        """Whether, for sample memories, the chat template renders them as vLLM would whichever content format it
+        detects, and `rendered_prompt`'s ids are the tokenizer's for the whole rendered text."""
+        if not getattr(self._tokenizer, "chat_template", None):
+            return False
+        lines = FactLines(self._guard)
+        try:
+            for first in _BOUNDARY_SAMPLES:
+                facts = [pb.RetrievedFact(text=text) for text in (first, *_BOUNDARY_SAMPLES[:2])]
+                block = "".join(lines.line(fact.text) for fact in facts)
+                for question in _BOUNDARY_SAMPLES:
+                    messages = [{"role": "system", "content": system_content(block, "")},
+                                {"role": "user", "content": question}]
+                    rendered = self.render_chat(messages)
+                    if (self._renders_parts_otherwise(messages, rendered)
+                            or self.rendered_prompt(facts, lines, rendered) != self._encode(rendered)):
+                        return False
+            return True
+        finally:
+            self._facts.clear()
 
     def _remember(self, facts: Sequence[pb.RetrievedFact]) -> None:
         """Tokenizes the lines of the facts not remembered yet."""
@@ -172,3 +214,22 @@ class MemoryTokens:
             self._facts.move_to_end(fact.text)
         self._forget_least_recent()
         return ids + (self._encode(rest) if rest else [])
+
+    def rendered_prompt(self, facts: Sequence[pb.RetrievedFact], lines: FactLines, rendered: str) -> list[int] | None:
+        """The token ids of `rendered`, a chat prompt as the template wrote it around the memory (the header, then
+        `facts`' lines in order, then the rest): the header's and each fact line's ids remembered, only what follows
+        the last line found whole in place tokenized (a template that trims its content leaves the last line short of
+        its newline: that line is tokenized with the rest). None unless `rendered` starts with the header."""
+        if not rendered.startswith(self.header_text):
+            return None
+        self._remember(facts)
+        ids, at = list(self.header_ids), len(self.header_text)
+        for fact in facts:
+            line = lines.line(fact.text)
+            if not rendered.startswith(line, at):
+                break
+            ids += self._facts[fact.text]
+            self._facts.move_to_end(fact.text)
+            at += len(line)
+        self._forget_least_recent()
+        return ids + self._encode(rendered[at:])

@@ -39,7 +39,7 @@ from inference_node.memory_request import (
     parse_memory,
     question_of,
 )
-from inference_node.placement import MemoryPlacement
+from inference_node.placement import MemoryPlacement, Placed
 from inference_node.plan import LOAD_OUTCOME_KEY, strip_client_plans
 from inference_node.retrieval import Dropped, MemoryRetriever
 from inference_node.settings import NodeSettings
@@ -141,11 +141,11 @@ class MemoryMiddleware:
         question = question_of(payload, path, memory)
         REQUESTS.labels(mode=memory.mode).inc()
         summary: dict[str, Any] = {"mode": memory.mode}
-        members = await self._add_memory(payload, path, memory, question, summary) if memory.mode != "off" else {}
-        rewritten = _json_with(payload, members)
+        placed = await self._add_memory(payload, path, memory, question, summary) if memory.mode != "off" else None
+        rewritten = _json_with(payload, placed.members if placed else {})
         # A non-streamed answer with a load plan holds what became of its memory (the connector's request_finished,
         # in kv_transfer_params): the summary waits for its body to say so.
-        awaits_outcome = "kv_transfer_params" in members and not payload.get("stream")
+        awaits_outcome = placed is not None and placed.signed_plan and not payload.get("stream")
         held: list[Message] = []
 
         async def send_with_summary(message: Message) -> None:
@@ -162,14 +162,15 @@ class MemoryMiddleware:
         return *_rewritten(scope, rewritten, receive), send_with_summary
 
     async def _add_memory(self, payload: dict, path: str, memory: MemoryRequest, query: str,
-                          summary: dict[str, Any]) -> dict[str, bytes]:
+                          summary: dict[str, Any]) -> Placed | None:
         """Puts the user's memory in the request (MemoryPlacement.place), or nothing where the memory service failed
-        the call; the body members to add, already JSON."""
+        the call. Placing runs on the event loop: it holds the GIL throughout but in the tokenizer, and a thread's
+        hand-off cost more than it (benchmarks/RESULTS.md, "A memory request's own cost")."""
         self._placement.prepare()  # before the memory service is asked: a node without its tokenizer asks nothing
         retrieved = await self._retriever.retrieve(memory, query, path)
         if isinstance(retrieved, Dropped):
             summary.update(retrieved.summary_fields())
-            return {}
+            return None
         return self._placement.place(payload, path, memory, retrieved, summary)
 
 

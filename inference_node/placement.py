@@ -1,8 +1,9 @@
 """Placing a retrieved memory in the request's prompt: the facts kept within memory.max_tokens, planned
 (memory_prompt.plan_memory: one per line, best last, each in its neutral form: never a control token) and written in
-front of the question: as a system message on /v1/chat/completions; on /v1/completions as token ids (the layout's
-tokenization, memory_prompt.MemoryTokens), or as text without added special tokens for a tokenizer whose pieces do
-not concatenate (the header carries the BOS).
+front of the question: as a system message on /v1/chat/completions, with the rendered prompt's token ids in
+`kv_transfer_params.prompt_token_ids` where vLLM takes them (it then neither renders nor tokenizes the memory) and
+the request renders plainly; on /v1/completions as token ids (the layout's tokenization, memory_prompt.MemoryTokens),
+or as text without added special tokens for a tokenizer whose pieces do not concatenate (the header carries the BOS).
 
 In kv mode, unless the service holds no header KV or the injectable memory is shorter than the crossover (prefilling
 it is then faster), the signed load plan (`kv_transfer_params`) and its signed `cache_salt` go with it; otherwise the
@@ -58,6 +59,15 @@ class PromptParts:
                    FactLines(StoredTextGuard.for_tokenizer(tokenizer)), MemoryTokens(tokenizer))
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A memory placed in a request: the body members to add (already JSON), and whether a signed load plan is
+    among them (its answer then says what became of the memory)."""
+
+    members: dict[str, bytes]
+    signed_plan: bool
+
+
 class MemoryPlacement:
     """Puts retrieved memories in requests (the model's tokenizer loaded on first use) and signs their load plans."""
 
@@ -65,6 +75,7 @@ class MemoryPlacement:
         self.settings = settings
         self._signer = PlanSigner(plan_secret_from_env())
         self._parts: PromptParts | None = None
+        self._chat_token_ids = settings.chat_token_ids and vllm_takes_chat_prompt_ids()
 
     def prepare(self) -> PromptParts:
         """The prompt's parts, from the model's tokenizer (loaded on the first call; a failure leaves nothing set, and
@@ -76,9 +87,10 @@ class MemoryPlacement:
         return self._parts
 
     def place(self, payload: dict, path: str, memory: MemoryRequest, retrieved: Retrieved,
-              summary: dict[str, Any]) -> dict[str, bytes]:
+              summary: dict[str, Any]) -> Placed:
         """Puts the memory in the request: in `payload`, or, for what holds every token id of the memory (the signed
-        load plan, a token-id prompt), in the body members it returns, already JSON; its fields in `summary`."""
+        load plan, a token-id prompt, a chat prompt's ids), in the body members it returns, already JSON; its fields
+        in `summary`."""
         parts = self.prepare()
         response = retrieved.response
         facts = list(response.facts)
@@ -88,7 +100,8 @@ class MemoryPlacement:
         plan = plan_memory(facts, parts.header_ids, response.header_content_id,
                            self.settings.profile_id, memory.user_id, FACT_ORDERS[memory.order],
                            memory.recompute_tail_facts if memory.mode == "kv" else 0, lines=parts.fact_lines)
-        members = _write_prompt(payload, path, plan, parts)
+        written = _write_prompt(payload, path, plan, parts, self._chat_token_ids)
+        members = written.members
         summary.update(facts=len(plan.facts), stage_ms=round(retrieved.seconds * 1000, 2), order=memory.order)
         if not response.header_content_id:
             summary.update(header_kv="missing")
@@ -97,9 +110,10 @@ class MemoryPlacement:
             # Shorter than the crossover: prefilling it is faster than injecting it.
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
+        params = b"{}"
         if inject:
             signed = self._signer.sign(plan.plan, warm_up_facts(retrieved.warm_up), memory.user_token)
-            members["kv_transfer_params"] = signed.kv_transfer_params_json
+            params = signed.kv_transfer_params_json
             payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
@@ -109,7 +123,13 @@ class MemoryPlacement:
             FACTS_PLACED.labels(how="text").inc(len(plan.facts))
         if memory.mode == "kv" and not inject:
             summary.update(kv_facts=0, injectable_tokens=0)
-        return members
+        if written.chat_prompt_ids is not None:
+            rest = b"}" if params == b"{}" else b"," + params[1:]
+            params = b'{"prompt_token_ids":%s%s' % (written.chat_prompt_ids, rest)
+            summary.update(prompt="token_ids")
+        if params != b"{}":
+            members["kv_transfer_params"] = params
+        return Placed(members, inject)
 
 
 def warm_up_facts(facts: Sequence[pb.RetrievedFact]) -> tuple[PlanFact, ...]:
@@ -118,9 +138,20 @@ def warm_up_facts(facts: Sequence[pb.RetrievedFact]) -> tuple[PlanFact, ...]:
                  if has_kv(fact))
 
 
-def _write_prompt(payload: dict, path: str, plan: MemoryPlan, parts: PromptParts) -> dict[str, bytes]:
+@dataclass(frozen=True)
+class WrittenPrompt:
+    """A memory written into a request: the body members to add (already JSON), and on the chat route the rendered
+    prompt's token ids (JSON) for vLLM to take instead of rendering and tokenizing the messages, where it can."""
+
+    members: dict[str, bytes]
+    chat_prompt_ids: bytes | None = None
+
+
+def _write_prompt(payload: dict, path: str, plan: MemoryPlan, parts: PromptParts,
+                  chat_token_ids: bool) -> WrittenPrompt:
     """Puts the memory block in front of the request's question, in `payload` or (a token-id prompt) in the body
-    members it returns, already JSON."""
+    members it returns; on the chat route with `chat_token_ids`, the prompt's ids too where the request renders
+    plainly (`renders_plainly`)."""
     if path == "/v1/chat/completions":
         messages = payload.get("messages", [])
         client_system = ""
@@ -128,12 +159,53 @@ def _write_prompt(payload: dict, path: str, plan: MemoryPlan, parts: PromptParts
             client_system = text_of(messages.pop(0).get("content"), "messages[0].content")
         payload["messages"] = [{"role": "system", "content": system_content(plan.block_text, client_system)},
                                *messages]
+        if chat_token_ids and parts.memory_tokens.chat_concatenative and renders_plainly(payload):
+            rendered = parts.memory_tokens.render_chat(payload["messages"], payload.get("add_generation_prompt", True))
+            ids = parts.memory_tokens.rendered_prompt(plan.facts, parts.fact_lines, rendered)
+            if ids is not None:
+                return WrittenPrompt({}, msgspec.json.encode(ids))
     elif parts.memory_tokens.concatenative:
         # As token ids: vLLM would tokenize the whole memory again on every request.
         prompt_ids = parts.memory_tokens.prompt(plan.facts, payload.pop("prompt", None) or "")
-        return {"prompt": msgspec.json.encode(prompt_ids)}
+        return WrittenPrompt({"prompt": msgspec.json.encode(prompt_ids)})
     else:
         payload["prompt"] = parts.header_text + plan.block_text + (payload.get("prompt") or "")
         # The header text carries the template's BOS: a second one would shift every position.
         payload["add_special_tokens"] = False
-    return {}
+    return WrittenPrompt({})
+
+
+# The chat request fields that leave vLLM's rendering of the prompt as it is (sampling, output and scheduling), and
+# the message roles every chat template knows: a request with any other field, or a message with other keys or with
+# content that is not one string, is rendered by vLLM from its messages.
+PROMPT_NEUTRAL_CHAT_FIELDS = frozenset({
+    "model", "messages", "add_generation_prompt", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "max_tokens", "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_p", "user", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "allowed_token_ids", "bad_words", "structured_outputs", "priority", "request_id", "return_tokens_as_token_ids",
+    "return_token_ids", "cache_salt"})
+PLAIN_ROLES = frozenset({"system", "user", "assistant"})
+
+
+def renders_plainly(payload: dict) -> bool:
+    """Whether vLLM renders this chat request's prompt as the template renders its messages alone: only fields of
+    PROMPT_NEUTRAL_CHAT_FIELDS, `add_generation_prompt` a boolean, every message a role of PLAIN_ROLES with one
+    string of content."""
+    messages = payload.get("messages")
+    return (payload.keys() <= PROMPT_NEUTRAL_CHAT_FIELDS
+            and isinstance(payload.get("add_generation_prompt", True), bool) and isinstance(messages, list)
+            and all(isinstance(message, dict) and message.keys() == {"role", "content"}
+                    and message["role"] in PLAIN_ROLES and isinstance(message["content"], str)
+                    for message in messages))
+
+
+def vllm_takes_chat_prompt_ids() -> bool:
+    """Whether this vLLM takes a chat request's prompt ids from its kv_transfer_params (`prompt_token_ids`: the
+    decode-side reuse of disaggregated serving, vllm-project/vllm#48145, after 0.26) instead of rendering and
+    tokenizing its messages. An older one would carry them to the engine unread: they are not sent there."""
+    try:
+        from vllm.renderers import online_renderer
+    except ImportError:
+        return False
+    return hasattr(online_renderer, "_reused_prompt_token_ids")

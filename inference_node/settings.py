@@ -91,6 +91,10 @@ class NodeSettings:
         "authenticated (a JWT): forwarded with RetrieveAndStage and FetchKv to a memory service that binds node "
         "reads to users (its --user-token-public-key-file); empty: none sent")
 
+    # Chat requests with memory reach vLLM as their rendered prompt's token ids (inference_node.placement), unless
+    # vLLM's own flags change how it renders chat (CHAT_RENDERING_FLAGS): its rendering is then not the tokenizer's.
+    chat_token_ids: bool = True
+
     @property
     def profile_id(self) -> str:
         return self.profile["profile_id"]

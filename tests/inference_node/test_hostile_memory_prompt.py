@@ -141,3 +141,64 @@ def test_plain_facts_and_turns_are_rendered_as_they_are(tokenizer) -> None:
     for text in ("Maya has a cat named Pimenta.", "She moved to Lisbon in 2019 (with 2 <3 dogs) & likes C++."):
         assert guard.neutral(text) == text
         assert fact_token_ids(tokenizer, text) == tokenizer.encode(text + "\n", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("client_system", ["", "Answer in one short sentence."])
+@pytest.mark.parametrize("hostile", [False, True], ids=["plain facts", "hostile facts"])
+def test_the_chat_prompts_token_ids_the_node_sends_are_vllms_tokenization_of_its_rendered_text(
+        tokenizer, hostile, client_system) -> None:
+    from inference_node.memory_prompt import MemoryTokens
+
+    guard = StoredTextGuard.for_tokenizer(tokenizer)
+    texts = hostile_facts(tokenizer) if hostile else [f"Harmless fact {index} about the user." for index in range(6)]
+    lines = FactLines(guard)
+    plan = plan_memory(_retrieved(tokenizer, texts), memory_header_ids(tokenizer), CONTENT_ID, "p", "u", lines=lines)
+    memory_tokens = MemoryTokens(tokenizer)
+    # Where the pieces of a completion prompt do not concatenate (the Llama-3-style tokenizer), chat stays text too.
+    assert memory_tokens.chat_concatenative is memory_tokens.concatenative
+    messages = [{"role": "system", "content": system_content(plan.block_text, client_system)},
+                {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello. How can I help?"},
+                {"role": "user", "content": QUESTION}]
+    if memory_tokens.chat_concatenative:
+        _assert_chat_ids_are_vllms(memory_tokens, tokenizer, plan.facts, lines, messages)
+    assert memory_tokens.rendered_prompt(plan.facts, lines, "no memory header here") is None
+
+
+def _assert_chat_ids_are_vllms(memory_tokens, tokenizer, facts, lines, messages) -> None:
+    for add_generation_prompt in (True, False):
+        rendered = memory_tokens.render_chat(messages, add_generation_prompt)
+        vllms = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                              return_dict=False)
+        assert memory_tokens.rendered_prompt(facts, lines, rendered) == list(vllms)
+
+
+CHATML_TRIMMED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_trims_its_content_gets_the_ids_of_what_it_wrote(smollm2_dir) -> None:
+    from inference_node.memory_prompt import MemoryTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.chat_template = CHATML_TRIMMED
+    memory_tokens = MemoryTokens(tokenizer)
+    assert memory_tokens.chat_concatenative
+    lines = FactLines(StoredTextGuard.for_tokenizer(tokenizer))
+    texts = [f"Harmless fact {index} about the user." for index in range(4)]
+    plan = plan_memory(_retrieved(tokenizer, texts), memory_header_ids(tokenizer), CONTENT_ID, "p", "u", lines=lines)
+    messages = [{"role": "system", "content": system_content(plan.block_text, "")},
+                {"role": "user", "content": QUESTION}]
+    assert not memory_tokens.render_chat(messages).startswith(memory_header_text(tokenizer) + plan.block_text)
+    _assert_chat_ids_are_vllms(memory_tokens, tokenizer, plan.facts, lines, messages)
+
+
+def test_a_template_that_renders_text_parts_otherwise_than_strings_keeps_chat_prompts_as_text(smollm2_dir) -> None:
+    from inference_node.memory_prompt import MemoryTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert MemoryTokens(tokenizer).chat_concatenative
+    # vLLM hands a template that iterates over content its text parts; this one renders them with a marker.
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+                               "{{ m.content }}{% else %}{% for p in m.content %}[part]{{ p.text }}{% endfor %}"
+                               "{% endif %}<|im_end|>\n{% endfor %}")
+    assert not MemoryTokens(tokenizer).chat_concatenative

@@ -67,6 +67,7 @@ def test_memory_tokens_are_the_layouts_tokenization_of_the_prompt_text_remembere
 
     tokens = MemoryTokens(Counting(), capacity=2)
     assert tokens.concatenative
+    calls.clear()  # its checks of the tokenizer at construction; from here, the prompts' own lines
     facts = [pb.RetrievedFact(fact_id=name, text=text) for name, text in (("a", "Ana visited Lisbon."),
                                                                             ("b", " Ben likes 42 owls! "))]
     question = "def answer(question):"

@@ -183,3 +183,11 @@ def test_the_tiers_default_sizes_follow_the_device_the_host_and_the_ranks(tmp_pa
     assert node_main.weights_bytes(tmp_path) == 100
     (tmp_path / "model.safetensors").unlink()
     assert node_main.weights_bytes(tmp_path) == 100
+
+
+@pytest.mark.parametrize("flags", [[], ["--chat-template", "t.jinja"], ["--chat_template=t.jinja"],
+                                   ["--chat-template-content-format", "openai"],
+                                   ["--default-chat-template-kwargs", "{}"], ["--tokenizer", "other"]])
+def test_chat_memory_goes_as_token_ids_unless_vllms_flags_change_how_it_renders_chat(tiny_llama_dir, flags) -> None:
+    launch = node_main.plan_launch(["--model", str(tiny_llama_dir), *flags])
+    assert launch.settings.chat_token_ids is not bool(flags)

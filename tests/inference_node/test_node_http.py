@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference_node.memory_prompt import FactLines, plan_memory
+from inference_node.memory_prompt import FactLines, plan_memory, system_content
 from inferscale.v1 import memory_pb2 as pb
 from inferscale_kv.layout import fact_token_ids, memory_header_ids, memory_header_text
 from inferscale_kv.stored_text import StoredTextGuard
@@ -296,6 +296,33 @@ def test_openai_client_chat_and_completions_streaming_and_not(node) -> None:
         results[mode] = (chat.choices[0].message.content, chat.usage.prompt_tokens_details.cached_tokens or 0)
     assert results["kv"][0] == results["text"][0]
     assert results["kv"][1] > results["text"][1]
+
+
+def _chat_ids(node, messages: list[dict], memory: dict | None) -> tuple[list[int], list[int], dict]:
+    """(prompt ids, answer ids, x-inferscale-memory summary) of one greedy chat request, as vLLM reports them."""
+    body = {"model": str(node.model_dir), "messages": messages, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, **({"memory": memory} if memory else {})}
+    request = urllib.request.Request(f"{node.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        summary = json.loads(response.headers.get("x-inferscale-memory") or "{}")
+        output = json.loads(response.read())
+    return output["prompt_token_ids"], output["choices"][0]["token_ids"], summary
+
+
+@pytest.mark.parametrize("mode", ["text", "kv"])
+def test_a_chat_memory_sent_as_token_ids_is_the_prompt_vllm_renders_from_its_text(node, tiny_llama_dir, mode) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    question = {"role": "user", "content": "What does Carol collect?"}
+    ids, answer, summary = _chat_ids(node, [question], {"user_id": user("openai"), "mode": mode})
+    assert summary["prompt"] == "token_ids" and summary["facts"] == 1
+    # The same memory written out by the client as text, without memory: vLLM renders and tokenizes it itself.
+    block = FactLines(StoredTextGuard.for_tokenizer(tokenizer)).line("Carol collects maps of imaginary islands.")
+    as_text = [{"role": "system", "content": system_content(block, "")}, question]
+    text_ids, text_answer, _ = _chat_ids(node, as_text, None)
+    assert ids == text_ids == tokenizer.apply_chat_template(as_text, tokenize=True, add_generation_prompt=True,
+                                                            return_dict=False)
+    assert answer == text_answer
 
 
 def test_a_client_supplied_load_plan_is_dropped(node, node_stub, tiny_llama_dir) -> None:
