@@ -95,9 +95,39 @@ class NodeLaunch:
     dry_run: bool
 
 
-# vLLM flags that make its chat rendering other than the model tokenizer's template applied to the messages.
-CHAT_RENDERING_FLAGS = frozenset({"--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs",
-                                  "--tokenizer", "--tokenizer-mode"})
+# vLLM flags that make (or may make: a config file, overrides) its chat rendering other than the model tokenizer's
+# template applied to the messages; also when abbreviated, as vLLM's parser allows.
+CHAT_RENDERING_FLAGS = ("--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs",
+                        "--tokenizer", "--tokenizer-mode", "--config", "--hf-overrides")
+# Architectures vLLM serves with the Hugging Face renderer (the tokenizer's chat template, no tokenizer mode of its
+# own). Any other renders chat as text: vLLM may render it its own way (DeepSeek, Kimi, Harmony, ...).
+HF_CHAT_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                   "Gemma2ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM"})
+
+
+def vllm_renders_chat_with_the_tokenizer(model_dir: Path, config: object, vllm_args: Sequence[str]) -> bool:
+    """Whether vLLM renders this model's chat prompts as the middleware does: its tokenizer's chat template applied
+    to the messages (inference_node.placement). Not where a vLLM flag names another template, content format,
+    template arguments or tokenizer (abbreviated too), for an architecture outside HF_CHAT_ARCHITECTURES, a folder
+    with a processor (vLLM prefers its template) or Mistral's own tokenizer files (vLLM then uses Mistral's)."""
+    for arg in vllm_args:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if len(name) > 2 and name.startswith("--") and any(flag.startswith(name) for flag in CHAT_RENDERING_FLAGS):
+            return False
+    own_renderer = ("processor_config.json", "preprocessor_config.json", "chat_template.json", "tekken.json",
+                    "tokenizer.model.v*")
+    return (set(getattr(config, "architectures", None) or ()) <= HF_CHAT_ARCHITECTURES
+            and bool(getattr(config, "architectures", None))
+            and not any(any(model_dir.glob(pattern)) for pattern in own_renderer))
+
+
+def longest_prompt_tokens(config: object, vllm_args: Sequence[str]) -> int:
+    """The most tokens a prompt can have on this node, at least: --max-model-len where it is a number, and the
+    model's positions (times its RoPE scaling factor)."""
+    scaling = getattr(config, "rope_scaling", None) or {}
+    positions = int((getattr(config, "max_position_embeddings", 0) or 0) * float(scaling.get("factor") or 1))
+    flag = _flag(list(vllm_args), "--max-model-len") or ""
+    return max(int(flag) if flag.isdigit() else 0, positions)
 
 
 def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
@@ -117,8 +147,9 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
         print("inference_node: --synchronous-loads is deprecated and ignored: every load is synchronous",
               file=sys.stderr)
     device_bytes = cuda_device_bytes()
+    config = AutoConfig.from_pretrained(model_dir)
     if options.kv_crossover_tokens == MEASURED:
-        key = shape_key(AutoConfig.from_pretrained(model_dir), _flag(vllm_args, "--dtype") or "auto", device_name())
+        key = shape_key(config, _flag(vllm_args, "--dtype") or "auto", device_name())
         crossover = measured_crossover(key) or 0
     else:
         crossover = int(options.kv_crossover_tokens)
@@ -150,8 +181,9 @@ def plan_launch(argv: Sequence[str] | None = None) -> NodeLaunch:
     if settings.recompute_tail_facts > settings.max_top_k:
         raise SystemExit(f"inference_node: --recompute-tail-facts must be at most {settings.max_top_k} (the most facts "
                          "a request may retrieve)")
-    settings = dataclasses.replace(settings, chat_token_ids=not any(
-        arg.split("=", 1)[0].replace("_", "-") in CHAT_RENDERING_FLAGS for arg in vllm_args))
+    settings = dataclasses.replace(settings, chat_token_ids=vllm_renders_chat_with_the_tokenizer(model_dir, config,
+                                                                                                 vllm_args),
+                                   max_model_len=longest_prompt_tokens(config, vllm_args))
     transfer = kv_transfer_config(settings)
     vllm_args = within_gpu_memory_budget(vllm_args, settings.node_cache_mb << 20, device_bytes)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

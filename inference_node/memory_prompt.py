@@ -125,9 +125,12 @@ class MemoryTokens:
     `chat_concatenative` whether its chat template's rendering does too (`rendered_prompt`); where not, the node keeps
     sending text (vLLM tokenizes it)."""
 
-    def __init__(self, tokenizer: Any, capacity: int = 100_000) -> None:
+    def __init__(self, tokenizer: Any, capacity: int = 100_000, max_prompt_tokens: int = 1 << 17) -> None:
         self._tokenizer = tokenizer
         self.capacity = capacity
+        # The most characters of prompt text tokenized here per request: what vLLM lets through its own length check
+        # (the longest prompt in tokens times the longest token in characters); a longer text goes to vLLM as text.
+        self.max_prompt_chars = max_prompt_tokens * max(map(len, tokenizer.get_vocab()))
         self.header_ids = memory_header_ids(tokenizer)
         self._guard = StoredTextGuard.for_tokenizer(tokenizer)
         self._facts: OrderedDict[str, list[int]] = OrderedDict()
@@ -205,31 +208,41 @@ class MemoryTokens:
         self._forget_least_recent()
         return kept
 
-    def prompt(self, facts: Sequence[pb.RetrievedFact], rest: str) -> list[int]:
-        """header | each fact's line | `rest`, as token ids."""
-        self._remember(facts)
-        ids = list(self.header_ids)
-        for fact in facts:
-            ids += self._facts[fact.text]
-            self._facts.move_to_end(fact.text)
-        self._forget_least_recent()
-        return ids + (self._encode(rest) if rest else [])
+    def prompt(self, facts: Sequence[pb.RetrievedFact], lines: FactLines, rest: str) -> list[int] | None:
+        """header | each fact's line | `rest`, as token ids (`_spliced`); None where it must go as text."""
+        return self._spliced(facts, lines, f"{self.header_text}{''.join(lines.line(f.text) for f in facts)}{rest}")
 
     def rendered_prompt(self, facts: Sequence[pb.RetrievedFact], lines: FactLines, rendered: str) -> list[int] | None:
         """The token ids of `rendered`, a chat prompt as the template wrote it around the memory (the header, then
-        `facts`' lines in order, then the rest): the header's and each fact line's ids remembered, only what follows
-        the last line found whole in place tokenized (a template that trims its content leaves the last line short of
-        its newline: that line is tokenized with the rest). None unless `rendered` starts with the header."""
-        if not rendered.startswith(self.header_text):
+        `facts`' lines in order, then the rest; a template that trims its content leaves the last line short of its
+        newline), by `_spliced`; None where it must go as text."""
+        return self._spliced(facts, lines, rendered)
+
+    def _spliced(self, facts: Sequence[pb.RetrievedFact], lines: FactLines, text: str) -> list[int] | None:
+        """The token ids of `text`, which starts with the header and then as many of `facts`' lines as it holds
+        whole, in order: the header's and those lines' ids remembered, but the last of them tokenized again with what
+        follows (where the rest starts with whitespace, a tokenizer may merge a line's closing newline into it; the
+        plan then proves that fact no more). None, for the text to go as it is (vLLM renders, checks and tokenizes
+        it), where `text` does not start with the header, where what is tokenized here is longer than any prompt
+        the model takes (`max_prompt_chars`), or where the tokenizer refuses it."""
+        if not text.startswith(self.header_text):
             return None
         self._remember(facts)
-        ids, at = list(self.header_ids), len(self.header_text)
+        ids: list[int] = []
+        last, at = self.header_ids, len(self.header_text)
+        last_at = 0
         for fact in facts:
             line = lines.line(fact.text)
-            if not rendered.startswith(line, at):
+            if not text.startswith(line, at):
                 break
-            ids += self._facts[fact.text]
+            ids += last
+            last, last_at = self._facts[fact.text], at
             self._facts.move_to_end(fact.text)
             at += len(line)
         self._forget_least_recent()
-        return ids + self._encode(rendered[at:])
+        if len(text) - last_at > self.max_prompt_chars:
+            return None
+        try:
+            return ids + self._encode(text[last_at:])
+        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
+            return None

@@ -54,9 +54,13 @@ class PromptParts:
     memory_tokens: MemoryTokens
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> PromptParts:
+    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int = 0) -> PromptParts:
+        """The parts of `tokenizer`'s prompts; none of more than `max_prompt_tokens` (0: MemoryTokens' default)
+        tokenized here."""
+        tokens = MemoryTokens(tokenizer, max_prompt_tokens=max_prompt_tokens) if max_prompt_tokens else MemoryTokens(
+            tokenizer)
         return cls(memory_header_ids(tokenizer), memory_header_text(tokenizer),
-                   FactLines(StoredTextGuard.for_tokenizer(tokenizer)), MemoryTokens(tokenizer))
+                   FactLines(StoredTextGuard.for_tokenizer(tokenizer)), tokens)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class MemoryPlacement:
         if self._parts is None:
             from transformers import AutoTokenizer
 
-            self._parts = PromptParts.for_tokenizer(AutoTokenizer.from_pretrained(self.settings.model_dir))
+            self._parts = PromptParts.for_tokenizer(AutoTokenizer.from_pretrained(self.settings.model_dir),
+                                                    self.settings.max_model_len)
         return self._parts
 
     def place(self, payload: dict, path: str, memory: MemoryRequest, retrieved: Retrieved,
@@ -160,18 +165,24 @@ def _write_prompt(payload: dict, path: str, plan: MemoryPlan, parts: PromptParts
         payload["messages"] = [{"role": "system", "content": system_content(plan.block_text, client_system)},
                                *messages]
         if chat_token_ids and parts.memory_tokens.chat_concatenative and renders_plainly(payload):
-            rendered = parts.memory_tokens.render_chat(payload["messages"], payload.get("add_generation_prompt", True))
+            try:
+                rendered = parts.memory_tokens.render_chat(payload["messages"],
+                                                           payload.get("add_generation_prompt", True))
+            except Exception:  # the template refuses these messages: vLLM renders them and answers that itself
+                return WrittenPrompt({})
             ids = parts.memory_tokens.rendered_prompt(plan.facts, parts.fact_lines, rendered)
             if ids is not None:
                 return WrittenPrompt({}, msgspec.json.encode(ids))
-    elif parts.memory_tokens.concatenative:
-        # As token ids: vLLM would tokenize the whole memory again on every request.
-        prompt_ids = parts.memory_tokens.prompt(plan.facts, payload.pop("prompt", None) or "")
+        return WrittenPrompt({})
+    # As token ids where they can be: vLLM would tokenize the whole memory again on every request.
+    prompt_ids = parts.memory_tokens.prompt(plan.facts, parts.fact_lines, payload.get("prompt") or "") if (
+        parts.memory_tokens.concatenative) else None
+    if prompt_ids is not None:
+        payload.pop("prompt", None)
         return WrittenPrompt({"prompt": msgspec.json.encode(prompt_ids)})
-    else:
-        payload["prompt"] = parts.header_text + plan.block_text + (payload.get("prompt") or "")
-        # The header text carries the template's BOS: a second one would shift every position.
-        payload["add_special_tokens"] = False
+    payload["prompt"] = parts.header_text + plan.block_text + (payload.get("prompt") or "")
+    # The header text carries the template's BOS: a second one would shift every position.
+    payload["add_special_tokens"] = False
     return WrittenPrompt({})
 
 

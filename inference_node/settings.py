@@ -92,8 +92,10 @@ class NodeSettings:
         "reads to users (its --user-token-public-key-file); empty: none sent")
 
     # Chat requests with memory reach vLLM as their rendered prompt's token ids (inference_node.placement), unless
-    # vLLM's own flags change how it renders chat (CHAT_RENDERING_FLAGS): its rendering is then not the tokenizer's.
+    # vLLM renders this model's chat otherwise than its tokenizer's template (vllm_renders_chat_with_the_tokenizer).
     chat_token_ids: bool = True
+    # The most tokens a prompt can have on this node (at least): the middleware tokenizes no longer text itself.
+    max_model_len: int = 0
 
     @property
     def profile_id(self) -> str:

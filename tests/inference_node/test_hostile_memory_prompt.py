@@ -143,7 +143,8 @@ def test_plain_facts_and_turns_are_rendered_as_they_are(tokenizer) -> None:
         assert fact_token_ids(tokenizer, text) == tokenizer.encode(text + "\n", add_special_tokens=False)
 
 
-@pytest.mark.parametrize("client_system", ["", "Answer in one short sentence."])
+@pytest.mark.parametrize("client_system", ["", "Answer in one short sentence.", " ", "  Be brief.", "\n\nBe brief.",
+                                           "\n    You are terse.\n    ", "\n"])
 @pytest.mark.parametrize("hostile", [False, True], ids=["plain facts", "hostile facts"])
 def test_the_chat_prompts_token_ids_the_node_sends_are_vllms_tokenization_of_its_rendered_text(
         tokenizer, hostile, client_system) -> None:

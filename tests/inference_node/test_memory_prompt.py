@@ -73,12 +73,23 @@ def test_memory_tokens_are_the_layouts_tokenization_of_the_prompt_text_remembere
     question = "def answer(question):"
     expected = tokenizer.encode(memory_header_text(tokenizer) + "Ana visited Lisbon.\nBen likes 42 owls!\n" + question,
                                 add_special_tokens=False)
-    assert tokens.prompt(facts, question) == expected
-    assert tokens.prompt(facts, question) == expected and len(calls) == 1  # both lines remembered
-    tokens.prompt([pb.RetrievedFact(fact_id="c", text="Chloe writes poems.")], "")
-    assert tokens.prompt(facts[1:], "") and calls[-1] == ["Chloe writes poems.\n"]  # b stayed, a left (capacity 2)
-    tokens.prompt(facts[:1], "")
+    lines = FactLines(StoredTextGuard.for_tokenizer(tokenizer))
+    assert tokens.prompt(facts, lines, question) == expected
+    assert tokens.prompt(facts, lines, question) == expected and len(calls) == 1  # both lines remembered
+    tokens.prompt([pb.RetrievedFact(fact_id="c", text="Chloe writes poems.")], lines, "")
+    assert tokens.prompt(facts[1:], lines, "") and calls[-1] == ["Chloe writes poems.\n"]  # b stayed, a left
+    tokens.prompt(facts[:1], lines, "")
     assert calls[-1] == ["Ana visited Lisbon.\n"]
+    # A prompt that starts with whitespace may take the last line's newline into its first token: tokenized with it.
+    for rest in ("\n\nQuestion:", "   indented", "\n    def f():"):
+        whole = tokenizer.encode(memory_header_text(tokenizer) + "Ana visited Lisbon.\nBen likes 42 owls!\n" + rest,
+                                 add_special_tokens=False)
+        assert tokens.prompt(facts, lines, rest) == whole
+    # Past the longest prompt the model takes, nothing is tokenized here: the prompt goes to vLLM as text.
+    bounded = MemoryTokens(tokenizer, max_prompt_tokens=8)
+    assert bounded.prompt(facts, lines, "x" * (bounded.max_prompt_chars + 1)) is None
+    assert bounded.prompt([], lines, "short") == tokenizer.encode(memory_header_text(tokenizer) + "short",
+                                                                  add_special_tokens=False)
 
 
 def test_a_tokenizer_whose_pieces_do_not_concatenate_keeps_text_prompts(tiny_llama_dir) -> None:

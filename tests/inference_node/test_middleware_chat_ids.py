@@ -146,3 +146,32 @@ def test_a_clients_own_prompt_ids_never_reach_vllm(monkeypatch, node_plan_secret
     asgi_request(middleware, [json.dumps({"model": "m", "messages": [{"role": "user", "content": QUESTION}],
                                           **forged}).encode()], path="/v1/chat/completions", loop=loop)
     assert "kv_transfer_params" not in app.json()
+
+
+@pytest.mark.parametrize("turn", ["\ud800 lone surrogate", "x" * 200_000], ids=["untokenizable", "too long"])
+def test_a_chat_the_middleware_cannot_or_need_not_tokenize_goes_to_vllm_as_text(monkeypatch, node_plan_secret,
+                                                                              settings, loop, user_with_kv,
+                                                                              turn) -> None:
+    middleware, app = _middleware(monkeypatch, dataclasses.replace(settings, max_model_len=1024))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": turn},
+                {"role": "user", "content": QUESTION}]
+    summary = _chat(middleware, loop, {**_body(user_with_kv, "text"), "messages": messages})
+    assert "prompt" not in summary and "kv_transfer_params" not in app.json()  # vLLM renders, checks and answers it
+
+
+def test_a_chat_template_that_refuses_the_messages_leaves_them_to_vllm(monkeypatch, node_plan_secret, settings, loop,
+                                                                       user_with_kv) -> None:
+    middleware, app = _middleware(monkeypatch, settings)
+    parts = middleware._placement.prepare()
+    assert parts.memory_tokens.chat_concatenative
+    real = parts.memory_tokens.render_chat
+
+    def refusing(messages, add_generation_prompt=True):
+        if messages[-1]["role"] == "assistant":
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return real(messages, add_generation_prompt)
+
+    monkeypatch.setattr(parts.memory_tokens, "render_chat", refusing)
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The code is"}]
+    summary = _chat(middleware, loop, {**_body(user_with_kv, "text"), "messages": messages})
+    assert "prompt" not in summary and "kv_transfer_params" not in app.json()

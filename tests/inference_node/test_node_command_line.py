@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -191,3 +192,31 @@ def test_the_tiers_default_sizes_follow_the_device_the_host_and_the_ranks(tmp_pa
 def test_chat_memory_goes_as_token_ids_unless_vllms_flags_change_how_it_renders_chat(tiny_llama_dir, flags) -> None:
     launch = node_main.plan_launch(["--model", str(tiny_llama_dir), *flags])
     assert launch.settings.chat_token_ids is not bool(flags)
+
+
+@pytest.mark.parametrize(("architectures", "files", "flags", "expected"), [
+    (["LlamaForCausalLM"], [], [], True),
+    (["LlamaForCausalLM"], [], ["--tokenizer-mo", "slow"], False),  # abbreviated, as vLLM's parser takes it
+    (["LlamaForCausalLM"], [], ["--config", "serve.yaml"], False),
+    (["LlamaForCausalLM"], [], ["--hf-overrides", "{}"], False),
+    (["LlamaForCausalLM"], [], ["--max-model-len", "128", "--tokenizer-pool-size", "2"], True),
+    (["GptOssForCausalLM"], [], [], False),
+    (["DeepseekV32ForCausalLM"], [], [], False),
+    ([], [], [], False),
+    (["LlamaForCausalLM"], ["preprocessor_config.json"], [], False),
+    (["MistralForCausalLM"], ["tekken.json"], [], False),
+])
+def test_vllm_renders_chat_with_the_tokenizer_only_for_plain_architectures_folders_and_flags(
+        tmp_path, architectures, files, flags, expected) -> None:
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    config = SimpleNamespace(architectures=architectures)
+    assert node_main.vllm_renders_chat_with_the_tokenizer(tmp_path, config, flags) is expected
+
+
+def test_the_longest_prompt_is_the_larger_of_the_flag_and_the_models_scaled_positions() -> None:
+    config = SimpleNamespace(max_position_embeddings=4096, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert node_main.longest_prompt_tokens(config, []) == 16384
+    assert node_main.longest_prompt_tokens(config, ["--max-model-len", "32768"]) == 32768
+    unscaled = SimpleNamespace(max_position_embeddings=2048)
+    assert node_main.longest_prompt_tokens(unscaled, ["--max-model-len=1k"]) == 2048  # not a number: the positions
