@@ -116,8 +116,8 @@ def vllm_renders_chat_with_the_tokenizer(model_dir: Path, config: object, vllm_a
             return False
     own_renderer = ("processor_config.json", "preprocessor_config.json", "chat_template.json", "tekken.json",
                     "tokenizer.model.v*")
-    return (set(getattr(config, "architectures", None) or ()) <= HF_CHAT_ARCHITECTURES
-            and bool(getattr(config, "architectures", None))
+    architectures = set(getattr(config, "architectures", None) or ())
+    return (bool(architectures) and architectures <= HF_CHAT_ARCHITECTURES
             and not any(any(model_dir.glob(pattern)) for pattern in own_renderer))
 
 

@@ -115,6 +115,10 @@ _BOUNDARY_SAMPLES = ("Ana visited Lisbon in May 2023.", " leading space", "42 is
                      "\nline", "def answer(question):", "Qu'est-ce que c'est ?")
 
 
+# The longest prompt (tokens) MemoryTokens tokenizes where the node does not say its model's.
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 17
+
+
 class MemoryTokens:
     """A memory prompt as token ids, the layout's own tokenization (inferscale_kv.layout: the header, then each fact
     line tokenized on its own, then the rest), with each fact line's ids remembered (least recently used out past
@@ -125,7 +129,8 @@ class MemoryTokens:
     `chat_concatenative` whether its chat template's rendering does too (`rendered_prompt`); where not, the node keeps
     sending text (vLLM tokenizes it)."""
 
-    def __init__(self, tokenizer: Any, capacity: int = 100_000, max_prompt_tokens: int = 1 << 17) -> None:
+    def __init__(self, tokenizer: Any, capacity: int = 100_000,
+                 max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> None:
         self._tokenizer = tokenizer
         self.capacity = capacity
         # The most characters of prompt text tokenized here per request: what vLLM lets through its own length check

@@ -21,6 +21,7 @@ import msgspec
 from prometheus_client import Counter
 
 from inference_node.memory_prompt import (
+    DEFAULT_MAX_PROMPT_TOKENS,
     FACT_ORDERS,
     FactLines,
     MemoryPlan,
@@ -34,7 +35,6 @@ from inference_node.plan import PlanFact, PlanSigner, plan_secret_from_env
 from inference_node.retrieval import Retrieved
 from inference_node.settings import NodeSettings
 from inferscale.v1 import memory_pb2 as pb
-from inferscale_kv.layout import memory_header_ids, memory_header_text
 from inferscale_kv.stored_text import StoredTextGuard
 
 if TYPE_CHECKING:
@@ -55,12 +55,10 @@ class PromptParts:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int = 0) -> PromptParts:
-        """The parts of `tokenizer`'s prompts; none of more than `max_prompt_tokens` (0: MemoryTokens' default)
+        """The parts of `tokenizer`'s prompts; none of more than `max_prompt_tokens` (0: DEFAULT_MAX_PROMPT_TOKENS)
         tokenized here."""
-        tokens = MemoryTokens(tokenizer, max_prompt_tokens=max_prompt_tokens) if max_prompt_tokens else MemoryTokens(
-            tokenizer)
-        return cls(memory_header_ids(tokenizer), memory_header_text(tokenizer),
-                   FactLines(StoredTextGuard.for_tokenizer(tokenizer)), tokens)
+        tokens = MemoryTokens(tokenizer, max_prompt_tokens=max_prompt_tokens or DEFAULT_MAX_PROMPT_TOKENS)
+        return cls(tokens.header_ids, tokens.header_text, FactLines(StoredTextGuard.for_tokenizer(tokenizer)), tokens)
 
 
 @dataclass(frozen=True)
@@ -115,10 +113,10 @@ class MemoryPlacement:
             # Shorter than the crossover: prefilling it is faster than injecting it.
             inject = False
             summary.update(served_as="text", kv_crossover_tokens=memory.kv_crossover_tokens)
-        params = b"{}"
+        signed_params = None
         if inject:
             signed = self._signer.sign(plan.plan, warm_up_facts(retrieved.warm_up), memory.user_token)
-            params = signed.kv_transfer_params_json
+            signed_params = signed.kv_transfer_params_json
             payload["cache_salt"] = signed.cache_salt
             summary.update(kv_facts=plan.kv_facts, injectable_tokens=plan.injectable_tokens)
             FACTS_PLACED.labels(how="kv").inc(plan.kv_facts)
@@ -129,12 +127,19 @@ class MemoryPlacement:
         if memory.mode == "kv" and not inject:
             summary.update(kv_facts=0, injectable_tokens=0)
         if written.chat_prompt_ids is not None:
-            rest = b"}" if params == b"{}" else b"," + params[1:]
-            params = b'{"prompt_token_ids":%s%s' % (written.chat_prompt_ids, rest)
             summary.update(prompt="token_ids")
-        if params != b"{}":
+        params = _kv_transfer_params(written.chat_prompt_ids, signed_params)
+        if params is not None:
             members["kv_transfer_params"] = params
         return Placed(members, inject)
+
+
+def _kv_transfer_params(prompt_ids: bytes | None, signed_params: bytes | None) -> bytes | None:
+    """The request's kv_transfer_params (JSON): the chat prompt's ids (vLLM takes them out) beside the signed plan's
+    members; None where there is neither."""
+    if prompt_ids is None:
+        return signed_params
+    return b'{"prompt_token_ids":%s%s' % (prompt_ids, b"," + signed_params[1:] if signed_params else b"}")
 
 
 def warm_up_facts(facts: Sequence[pb.RetrievedFact]) -> tuple[PlanFact, ...]:
